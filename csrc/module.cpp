@@ -1,0 +1,15 @@
+// The package's compiled extension, vllm_dualgpu._C.
+// Other csrc/*.cpp files add their functions through the register_* hooks declared here.
+#include <pybind11/pybind11.h>
+
+namespace py = pybind11;
+
+#ifndef VLLM_DUALGPU_VERSION
+#define VLLM_DUALGPU_VERSION "dev"
+#endif
+
+PYBIND11_MODULE(_C, m) {
+    m.doc() = "vllm-dualgpu native helpers";
+    m.attr("__version__") = VLLM_DUALGPU_VERSION;
+    m.def("abi_ok", []() { return true; }, "Returns True: proves the extension loads.");
+}

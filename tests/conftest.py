@@ -1,0 +1,56 @@
+"""Shared fixtures. CPU tests use real vLLM objects on vLLM's CPU platform."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+# vLLM picks its CPU platform only when told; without it config creation cannot infer a device.
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+
+def _has_gpu() -> bool:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return pynvml.nvmlDeviceGetCount() > 0
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_gpu():
+        return
+    skip = pytest.mark.skip(reason="needs NVIDIA GPUs (none visible); run scripts/gpu/run_gpu_suite.sh on a GPU machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def tiny_model_dir(tmp_path) -> Path:
+    """A directory holding only a small Qwen3 config.json (enough for load_format='dummy')."""
+    d = tmp_path / "tiny-qwen3"
+    d.mkdir()
+    shutil.copy(FIXTURES / "tiny_qwen3.json", d / "config.json")
+    return d
+
+
+@pytest.fixture
+def write_config(tmp_path):
+    """Write a config.json dict into a fresh model directory and return the directory."""
+
+    def _write(cfg: dict, name: str = "model") -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(cfg))
+        return d
+
+    return _write

@@ -1,0 +1,75 @@
+"""register(): version gate, per-process selection, the one summary line."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from vllm_dualgpu import plugin
+from vllm_dualgpu.process import ENGINE, FRONTEND, WORKER, current_process_kinds
+
+
+@pytest.fixture(autouse=True)
+def fresh_plugin_state():
+    plugin._reset_for_tests()
+    yield
+    plugin._reset_for_tests()
+
+
+@pytest.fixture
+def caplog_dualgpu(caplog):
+    caplog.set_level(logging.INFO, logger="vllm.dualgpu")
+    logging.getLogger("vllm.dualgpu").propagate = True
+    return caplog
+
+
+def test_unsupported_vllm_version_warns_once_and_patches_nothing(monkeypatch, caplog_dualgpu):
+    monkeypatch.setattr(plugin, "installed_vllm_version", lambda: "0.33.0")
+    applied = []
+    monkeypatch.setattr(plugin, "apply_patch", lambda *a: applied.append(a))
+    assert plugin.register() == []
+    assert plugin.register() == []
+    warnings = [r for r in caplog_dualgpu.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "supports vLLM >=0.30.0,<0.31, found 0.33.0" in warnings[0].getMessage()
+    assert applied == []
+
+
+def test_process_kinds_from_vllm_process_names(monkeypatch):
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    assert current_process_kinds("VllmWorker-1") == {WORKER}
+    assert current_process_kinds("EngineCore_DP0") == {ENGINE}
+    assert current_process_kinds("MainProcess") == {FRONTEND}
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    assert current_process_kinds("MainProcess") == {FRONTEND, ENGINE}
+
+
+def test_workers_of_other_executors_get_no_patches():
+    assert plugin.select_patches(frozenset({WORKER}), active=False) == ()
+
+
+def test_frontend_gets_the_executor_selection_patch():
+    names = [p.name for p in plugin.select_patches(frozenset({FRONTEND}), active=False)]
+    assert "executor-by-name" in names
+
+
+def test_every_declared_patch_is_complete():
+    from vllm_dualgpu.patches.registry import PATCHES
+    from vllm_dualgpu.process import ALL_PROCESSES
+
+    names = [p.name for p in PATCHES]
+    assert len(names) == len(set(names))
+    for p in PATCHES:
+        assert ":" in p.target and ":" in p.factory
+        assert p.processes and set(p.processes) <= set(ALL_PROCESSES)
+        assert p.why and p.upstream and p.remove_when and p.params
+
+
+def test_docs_patches_md_is_generated_from_the_registry():
+    from pathlib import Path
+
+    from vllm_dualgpu.patches.docs import render
+
+    doc = Path(__file__).resolve().parents[1] / "docs" / "patches.md"
+    assert doc.read_text() == render(), "docs/patches.md is stale: python -m vllm_dualgpu.patches.docs"

@@ -1,0 +1,53 @@
+"""Patches of ``vllm.engine.arg_utils``: select the executor by the bare name ``dualgpu``.
+
+Stock vLLM 0.30 refuses ``--distributed-executor-backend dualgpu`` twice: with PP > 1,
+``EngineArgs._check_feature_supported`` rejects every string but a few built-in names, and
+``Executor.get_class`` resolves other strings as ``module.Class`` paths. Turning the name into
+the executor class before ``create_engine_config`` runs passes both checks (the class has
+``supports_pp``), pickles by reference into EngineCore and workers, and survives
+``vllm.config.replace()`` when workers rebuild the config.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+from collections.abc import Callable
+
+BACKEND_NAME = "dualgpu"
+EXECUTOR_QUALNAME = "vllm_dualgpu.executor.DualGpuExecutor"
+# The bare names vLLM 0.30's Executor.get_class understands itself.
+STOCK_BACKENDS = ("mp", "ray", "uni", "external_launcher")
+
+
+def resolve_backend(value: object) -> object:
+    """Map a ``distributed_executor_backend`` value to what vLLM should see.
+
+    ``"dualgpu"`` becomes the executor class; stock names, dotted class paths, classes and
+    None pass through unchanged; any other bare word is a typo and raises with the choices.
+    """
+    if not isinstance(value, str):
+        return value
+    if value == BACKEND_NAME:
+        from vllm_dualgpu.executor import DualGpuExecutor
+
+        return DualGpuExecutor
+    if value in STOCK_BACKENDS or "." in value:
+        return value
+    known = (*STOCK_BACKENDS, BACKEND_NAME)
+    close = difflib.get_close_matches(value, known, n=1)
+    hint = f" Did you mean '{close[0]}'?" if close else ""
+    raise ValueError(
+        f"Unknown --distributed-executor-backend '{value}'.{hint} Choose one of "
+        f"{', '.join(known)} ('{BACKEND_NAME}' comes from vllm-dualgpu), or give a "
+        "module.Class path of an Executor subclass."
+    )
+
+
+def wrap_create_engine_config(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def create_engine_config(self, usage_context=None, headless=False):
+        self.distributed_executor_backend = resolve_backend(self.distributed_executor_backend)
+        return original(self, usage_context, headless)
+
+    return create_engine_config

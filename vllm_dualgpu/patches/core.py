@@ -1,0 +1,175 @@
+"""The machinery behind the patch registry: declare, check, apply, never half-apply.
+
+A patch replaces one attribute of vLLM (a module function, a method or a classmethod) with a
+wrapper built by a factory from the original. Before anything changes, every precondition is
+checked: the vLLM version is in range, the target exists and has the expected parameters, and
+every module that holds a ``from x import f`` copy still holds the original. Only then is the
+target replaced and the copies rebound. A patched object carries a sentinel attribute, so a
+second application is a no-op.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+SENTINEL = "__vllm_dualgpu_patch__"
+
+APPLIED, ALREADY, SKIPPED, FAILED = "applied", "already applied", "skipped", "failed"
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One declared run-time change to vLLM. Every field is shown in docs/patches.md."""
+
+    name: str
+    target: str
+    """``module:Qualified.name`` of the attribute that is replaced."""
+    processes: tuple[str, ...]
+    """Where it applies: ``frontend``, ``engine``, ``worker``."""
+    vllm_versions: str
+    """PEP 440 specifier of the vLLM releases whose target this patch was written against."""
+    why: str
+    upstream: str
+    remove_when: str
+    factory: str
+    """``module:function`` that takes the original callable and returns the replacement."""
+    params: tuple[str, ...]
+    """Parameter names the target must have (in order); anything else is refused."""
+    copies: tuple[str, ...] = ()
+    """Modules holding a ``from x import name`` copy of a module-level target; rebound too."""
+    issue: str = ""
+    """The project issue that owns the patch."""
+    optional: bool = False
+    """True when the package works (less well) without it; False makes a skip an error."""
+
+    @property
+    def module(self) -> str:
+        return self.target.split(":", 1)[0]
+
+    @property
+    def qualname(self) -> str:
+        return self.target.split(":", 1)[1]
+
+
+@dataclass
+class Outcome:
+    patch: Patch
+    status: str
+    reason: str = ""
+    rebound: list[str] = field(default_factory=list)
+
+    def short(self) -> str:
+        return self.patch.name if not self.reason else f"{self.patch.name} ({self.reason})"
+
+
+def _resolve_owner(patch: Patch) -> tuple[object, str]:
+    module = importlib.import_module(patch.module)
+    *path, attr = patch.qualname.split(".")
+    owner: object = module
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, attr
+
+
+def _raw_attr(owner: object, attr: str) -> object:
+    """The attribute as stored (keeps classmethod/staticmethod wrappers of classes)."""
+    if inspect.isclass(owner):
+        for klass in owner.__mro__:
+            if attr in vars(klass):
+                return vars(klass)[attr]
+        raise AttributeError(attr)
+    return getattr(owner, attr)
+
+
+def _function_of(raw: object) -> Callable:
+    return raw.__func__ if isinstance(raw, (classmethod, staticmethod)) else raw  # type: ignore[return-value]
+
+
+def _param_names(func: Callable) -> tuple[str, ...]:
+    return tuple(inspect.signature(func).parameters)
+
+
+def _load_factory(spec: str) -> Callable[[Callable], Callable]:
+    mod, fn = spec.split(":", 1)
+    return getattr(importlib.import_module(mod), fn)
+
+
+def version_in_range(version: str, spec: str) -> bool:
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    return Version(version) in SpecifierSet(spec)
+
+
+def apply_patch(patch: Patch, vllm_version: str) -> Outcome:
+    """Check everything, then change everything; on any doubt change nothing."""
+    if not version_in_range(vllm_version, patch.vllm_versions):
+        return Outcome(patch, SKIPPED, f"vLLM {vllm_version} not in {patch.vllm_versions}")
+    try:
+        owner, attr = _resolve_owner(patch)
+        raw = _raw_attr(owner, attr)
+    except (ImportError, AttributeError) as exc:
+        return Outcome(patch, SKIPPED, f"target {patch.target} not found: {exc}")
+    original = _function_of(raw)
+    if getattr(original, SENTINEL, None) == patch.name:
+        return Outcome(patch, ALREADY)
+    try:
+        found = _param_names(original)
+    except (TypeError, ValueError) as exc:
+        return Outcome(patch, SKIPPED, f"cannot read the signature of {patch.target}: {exc}")
+    if found != patch.params:
+        return Outcome(
+            patch,
+            SKIPPED,
+            f"{patch.target} takes ({', '.join(found)}), expected ({', '.join(patch.params)})",
+        )
+    copy_modules = []
+    for name in patch.copies:
+        try:
+            mod = sys.modules.get(name) or importlib.import_module(name)
+        except ImportError as exc:
+            return Outcome(patch, SKIPPED, f"copy holder {name} cannot be imported: {exc}")
+        held = getattr(mod, attr, None)
+        if held is not original and getattr(held, SENTINEL, None) != patch.name:
+            return Outcome(patch, SKIPPED, f"{name}.{attr} is not vLLM's original")
+        copy_modules.append(mod)
+
+    replacement = _load_factory(patch.factory)(original)
+    setattr(replacement, SENTINEL, patch.name)
+    replacement.__wrapped__ = original  # type: ignore[attr-defined]
+    stored: object = replacement
+    if isinstance(raw, classmethod):
+        stored = classmethod(replacement)
+    elif isinstance(raw, staticmethod):
+        stored = staticmethod(replacement)
+    setattr(owner, attr, stored)
+    rebound = []
+    for mod in copy_modules:
+        setattr(mod, attr, replacement)
+        rebound.append(mod.__name__)
+    return Outcome(patch, APPLIED, rebound=rebound)
+
+
+def revert_patch(patch: Patch) -> bool:
+    """Undo an applied patch (tests use this); returns whether anything changed."""
+    owner, attr = _resolve_owner(patch)
+    raw = _raw_attr(owner, attr)
+    current = _function_of(raw)
+    if getattr(current, SENTINEL, None) != patch.name:
+        return False
+    original = current.__wrapped__
+    stored: object = original
+    if isinstance(raw, classmethod):
+        stored = classmethod(original)
+    elif isinstance(raw, staticmethod):
+        stored = staticmethod(original)
+    setattr(owner, attr, stored)
+    for name in patch.copies:
+        mod = sys.modules.get(name)
+        if mod is not None and getattr(mod, attr, None) is current:
+            setattr(mod, attr, original)
+    return True

@@ -1,0 +1,62 @@
+"""Renders docs/patches.md from the registry.
+
+Run from the repository root: ``python -m vllm_dualgpu.patches.docs [--check] [PATH]``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from vllm_dualgpu.patches.registry import PATCHES
+
+HEADER = """# Run-time patches
+
+Generated from `vllm_dualgpu/patches/registry.py` by `python -m vllm_dualgpu.patches.docs`;
+do not edit by hand (a test fails when this file is stale).
+
+Every patch is applied from one place (`vllm_dualgpu.plugin.register`), only in the processes it
+names and only for the vLLM versions in its range. Before a patch changes anything it checks that
+its target exists with the expected parameters and that every `from x import f` copy still holds
+vLLM's original; if any check fails it changes nothing and the process logs why. Patched objects
+carry a sentinel, so applying twice is harmless. Patches that change behaviour act only when the
+`dualgpu` executor drives the run; with `mp`, `ray` or a class path vLLM behaves as stock.
+
+"""
+
+
+def render() -> str:
+    out = [HEADER, f"{len(PATCHES)} patch(es).\n"]
+    for p in PATCHES:
+        out.append(f"\n## `{p.name}`\n\n")
+        out.append(f"- **Target:** `{p.target}` (parameters: `{', '.join(p.params)}`)\n")
+        if p.copies:
+            out.append(f"- **Also rebinds copies in:** {', '.join(f'`{c}`' for c in p.copies)}\n")
+        out.append(f"- **Processes:** {', '.join(p.processes)}\n")
+        out.append(f"- **vLLM versions:** `{p.vllm_versions}`\n")
+        out.append(f"- **Required:** {'no (optional)' if p.optional else 'yes'}\n")
+        out.append(f"- **Why:** {p.why}\n")
+        out.append(f"- **Upstream:** {p.upstream}\n")
+        out.append(f"- **Remove when:** {p.remove_when}\n")
+        if p.issue:
+            out.append(f"- **Project issue:** {p.issue}\n")
+    return "".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    paths = [a for a in argv if not a.startswith("--")]
+    target = Path(paths[0] if paths else "docs/patches.md")
+    text = render()
+    if "--check" in argv:
+        if not target.exists() or target.read_text() != text:
+            print(f"{target} is stale: run python -m vllm_dualgpu.patches.docs", file=sys.stderr)
+            return 1
+        return 0
+    target.write_text(text)
+    print(f"wrote {target}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
