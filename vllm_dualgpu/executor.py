@@ -14,18 +14,40 @@ from vllm_dualgpu.log import logger
 from vllm_dualgpu.process import ACTIVE_ENV
 
 
+def planning_applies(parallel_config) -> str | None:
+    """None when the dualgpu plan applies, else why the executor behaves like stock."""
+    if parallel_config.pipeline_parallel_size < 2:
+        return "pipeline_parallel_size=1"
+    if parallel_config.tensor_parallel_size != 1:
+        return f"tensor_parallel_size={parallel_config.tensor_parallel_size} (plans cover TP=1)"
+    if parallel_config.data_parallel_size != 1 or parallel_config.nnodes > 1:
+        return "data parallel or multi-node runs"
+    return None
+
+
 class DualGpuExecutor(MultiprocExecutor):
     """Multiprocess executor that applies a dualgpu plan before spawning its workers."""
 
     supports_pp: bool = True
 
     def _init_executor(self) -> None:
-        # Workers are spawned by super()._init_executor() and inherit this environment; the
-        # worker-side patches act only where it is set.
-        os.environ[ACTIVE_ENV] = "1"
-        logger.info(
-            "DualGpuExecutor: %d rank(s), pipeline_parallel_size=%d",
-            self.world_size,
-            self.parallel_config.pipeline_parallel_size,
-        )
+        self.dualgpu = None
+        why_not = planning_applies(self.parallel_config)
+        if why_not is not None:
+            os.environ.pop(ACTIVE_ENV, None)
+            logger.info("vllm-dualgpu: %s, running as vLLM's multiprocess executor", why_not)
+        else:
+            from vllm_dualgpu.apply import apply_plan
+
+            self.dualgpu = apply_plan(self.vllm_config)
+            # Workers inherit the environment; worker-side patches act only where it is set.
+            os.environ[ACTIVE_ENV] = "1"
         super()._init_executor()
+
+    def determine_available_memory(self) -> list[int]:
+        available = super().determine_available_memory()
+        if self.dualgpu is not None:
+            from vllm_dualgpu.fit import check_context_fits
+
+            check_context_fits(self.vllm_config, self.get_kv_cache_specs(), available, self.dualgpu)
+        return available

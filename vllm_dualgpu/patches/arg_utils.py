@@ -44,10 +44,25 @@ def resolve_backend(value: object) -> object:
     )
 
 
+def remember_explicit_utilization(engine_args) -> None:
+    """Under dualgpu each rank's budget is its free memory minus a reserve. A utilization the
+    user typed (anything but vLLM's default) still caps each rank; the executor reads it here."""
+    from vllm.config import CacheConfig
+
+    util = engine_args.gpu_memory_utilization
+    if util == CacheConfig.gpu_memory_utilization:
+        return
+    extra = dict(engine_args.additional_config or {})
+    extra["dualgpu"] = {**extra.get("dualgpu", {}), "gpu_memory_utilization": util}
+    engine_args.additional_config = extra
+
+
 def wrap_create_engine_config(original: Callable) -> Callable:
     @functools.wraps(original)
     def create_engine_config(self, usage_context=None, headless=False):
         self.distributed_executor_backend = resolve_backend(self.distributed_executor_backend)
+        if getattr(self.distributed_executor_backend, "__name__", "") == "DualGpuExecutor":
+            remember_explicit_utilization(self)
         return original(self, usage_context, headless)
 
     return create_engine_config

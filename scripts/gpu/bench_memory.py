@@ -1,0 +1,108 @@
+#!/usr/bin/env python3
+"""Issue #3 benchmark: stock vLLM vs vllm-dualgpu on an emulated 32 GiB + 16 GiB pair.
+
+    python scripts/gpu/bench_memory.py OUTDIR [--quick]
+
+GPU 0 keeps 32 GiB free and GPU 1 16 GiB (ballast processes hold the rest), so the BIG card
+comes first in PCI order and the plugin has to reorder. Model: Qwen3-14B-class shapes with
+block-FP8 weights (dummy), bf16 KV, eager mode, max_model_len 32768 in every run.
+Runs: stock (mp) at utilization 0.90 / 0.11 / 0.10; the plugin with no extra flags (full boot
+and a generation); the plugin over a sweep of layer splits (stopped once the KV pool is
+known); the plugin with the model's full 262,144 context (must fail with the largest that fits).
+Writes OUTDIR/bench_memory.json and OUTDIR/bench_memory.md.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpurun import GiB, NvmlSampler, ballast, grep, kill, start, wait_for  # noqa: E402
+
+FREE = [32.0, 16.0]
+KV_LINE = r"GPU KV cache size: ([\d,]+) tokens"
+FAIL = r"Traceback|Error|error:"
+
+
+def run(name, kwargs, out: Path, env=None, stop_at_kv=False, prompts=None, timeout=420):
+    log = out / "logs" / f"{name}.log"
+    cmd = [sys.executable, str(Path(__file__).parent / "boot_llm.py"), json.dumps(kwargs)]
+    if prompts:
+        cmd.append(json.dumps(prompts))
+    plan_file = out / "logs" / f"{name}.plan.json"
+    env = {**(env or {}), "VLLM_DUALGPU_PLAN_FILE": str(plan_file)}
+    t0 = time.time()
+    with NvmlSampler() as s:
+        base = s.used()
+        p = start(cmd, log, env)
+        if stop_at_kv:
+            wait_for(log, KV_LINE, timeout, p, fail_pattern=r"EngineCore failed|Engine core initialization failed|ValueError|RuntimeError")
+            time.sleep(1.0)
+        else:
+            wait_for(log, r"RESULT ", timeout, p)
+        kill(p)
+    text = log.read_text(errors="replace")
+    r = {"name": name, "wall_s": round(time.time() - t0, 1), "env": env, "kwargs": kwargs}
+    m = re.search(KV_LINE, text)
+    r["kv_tokens"] = int(m.group(1).replace(",", "")) if m else None
+    m = re.search(r"RESULT (.*)", text)
+    if m:
+        r.update(json.loads(m.group(1)))
+    r["booted"] = r["kv_tokens"] is not None
+    r["peak_used_gib"] = [round((pk - b) / GiB, 3) for pk, b in zip(s.peak, base)]
+    r["rank_lines"] = grep(log, r"vllm-dualgpu rank \d")
+    r["plan_line"] = grep(log, r"vllm-dualgpu plan:")
+    r["errors"] = [l[-400:] for l in grep(log, r"ValueError|does not fit|less than desired")][:3]
+    if plan_file.exists():
+        r["plan"] = json.loads(plan_file.read_text())
+    print(json.dumps({k: r.get(k) for k in ("name", "booted", "kv_tokens", "wall_s", "peak_used_gib", "errors")}), flush=True)
+    return r
+
+
+def main() -> int:
+    out = Path(sys.argv[1])
+    quick = "--quick" in sys.argv
+    model = out / "models" / "qwen3-14b-fp8"
+    subprocess.run([sys.executable, str(Path(__file__).parent / "make_model.py"), "qwen3-14b-fp8", str(model)], check=True)
+    base = {"model": str(model), "load_format": "dummy", "enforce_eager": True,
+            "max_model_len": 32768, "pipeline_parallel_size": 2, "skip_tokenizer_init": False}
+    prompts = [[1 + (i * 7 + j) % 900 for j in range(64 + 40 * i)] for i in range(4)]
+    results = []
+    with ballast(FREE, out / "logs"):
+        for u in (0.90, 0.11, 0.10):
+            results.append(run(f"stock_u{u:.2f}", {**base, "distributed_executor_backend": "mp",
+                                                   "gpu_memory_utilization": u}, out, stop_at_kv=True))
+        plugin = run("dualgpu", {**base, "distributed_executor_backend": "dualgpu"}, out, prompts=prompts)
+        results.append(plugin)
+        chosen = (plugin.get("plan") or {}).get("partition")
+        splits = [[8, 32], [12, 28], [16, 24], [20, 20]] if quick else [[6, 34], [8, 32], [10, 30], [12, 28], [14, 26], [16, 24], [20, 20]]
+        for sp in splits:
+            if sp == chosen:
+                continue
+            results.append(run(f"split_{sp[0]}_{sp[1]}", {**base, "distributed_executor_backend": "dualgpu"}, out,
+                               env={"VLLM_PP_LAYER_PARTITION": f"{sp[0]},{sp[1]}"}, stop_at_kv=True))
+        full = {**base, "distributed_executor_backend": "dualgpu"}
+        full.pop("max_model_len")
+        results.append(run("dualgpu_full_context", full, out, stop_at_kv=True))
+    (out / "bench_memory.json").write_text(json.dumps(results, indent=1))
+    (out / "bench_memory.md").write_text(table(results))
+    print(table(results))
+    return 0
+
+
+def table(results) -> str:
+    rows = ["| run | boots | KV pool (tokens) | peak used GPU0 / GPU1 (GiB) | wall (s) |", "|---|---|---|---|---|"]
+    for r in results:
+        pk = " / ".join(f"{x:.2f}" for x in r["peak_used_gib"])
+        kv = f"{r['kv_tokens']:,}" if r["kv_tokens"] else "-"
+        rows.append(f"| {r['name']} | {'yes' if r['booted'] else 'no'} | {kv} | {pk} | {r['wall_s']} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,126 @@
+"""Helpers for GPU-machine scripts: process groups, log waits, ballast, NVML sampling."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+GiB = 1024**3
+
+
+def start(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
+    """Start cmd in its own process group, stdout+stderr to log (never a pipe)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    f = open(log, "w")
+    return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, **(env or {})})
+
+
+def kill(p: subprocess.Popen, grace: float = 5.0) -> None:
+    if p.poll() is not None and not _group_alive(p.pid):
+        return
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, sig)
+        end = time.time() + wait
+        while time.time() < end and _group_alive(p.pid):
+            time.sleep(0.2)
+    with contextlib.suppress(Exception):
+        p.wait(timeout=1)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def wait_for(log: Path, pattern: str, timeout: float, proc: subprocess.Popen | None = None,
+             fail_pattern: str | None = None) -> str | None:
+    """Wait until a line matching pattern appears; None on timeout, exit or fail_pattern."""
+    rx, frx = re.compile(pattern), re.compile(fail_pattern) if fail_pattern else None
+    end = time.time() + timeout
+    while time.time() < end:
+        text = log.read_text(errors="replace") if log.exists() else ""
+        m = rx.search(text)
+        if m:
+            return m.group(0)
+        if frx and frx.search(text):
+            return None
+        if proc is not None and proc.poll() is not None:
+            text = log.read_text(errors="replace")
+            m = rx.search(text)
+            return m.group(0) if m else None
+        time.sleep(0.5)
+    return None
+
+
+class NvmlSampler:
+    """Samples used memory of every GPU every `period` s; .peak[i] is the highest seen."""
+
+    def __init__(self, period: float = 0.25):
+        import pynvml
+
+        pynvml.nvmlInit()
+        self.nvml = pynvml
+        self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        self.period = period
+        self.peak = [0] * len(self.handles)
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def used(self) -> list[int]:
+        return [self.nvml.nvmlDeviceGetMemoryInfo(h).used for h in self.handles]
+
+    def _run(self):
+        while not self._stop.is_set():
+            for i, u in enumerate(self.used()):
+                self.peak[i] = max(self.peak[i], u)
+            time.sleep(self.period)
+
+    def __enter__(self):
+        self.peak = self.used()
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+
+
+@contextlib.contextmanager
+def ballast(free_gib: list[float | None], logdir: Path):
+    """Leave free_gib[i] GiB free on GPU i (None: leave it alone) for the duration."""
+    procs = []
+    try:
+        for gpu, free in enumerate(free_gib):
+            if free is None:
+                continue
+            ready = logdir / f"ballast{gpu}.ready"
+            ready.unlink(missing_ok=True)
+            procs.append(start([sys.executable, str(HERE / "ballast.py"), str(gpu), str(free), str(ready)],
+                               logdir / f"ballast{gpu}.log"))
+            end = time.time() + 120
+            while not ready.exists() and time.time() < end:
+                time.sleep(0.2)
+            if not ready.exists():
+                raise RuntimeError(f"ballast on GPU {gpu} did not get ready")
+        yield
+    finally:
+        for p in procs:
+            kill(p, grace=1)
+
+
+def grep(log: Path, pattern: str) -> list[str]:
+    rx = re.compile(pattern)
+    return [l for l in log.read_text(errors="replace").splitlines() if rx.search(l)]

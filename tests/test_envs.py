@@ -1,0 +1,48 @@
+"""Environment variables: sizes, reserves, partitions, each malformed value a clear error."""
+
+import pytest
+
+from vllm_dualgpu import envs
+
+GiB, MiB = 1024**3, 1024**2
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("0", 0), ("1.5GiB", int(1.5 * GiB)), ("512MiB", 512 * MiB), ("2", 2 * GiB),
+    ("1GB", 10**9), (" 3 gib ", 3 * GiB), ("4096", 4096),
+])
+def test_parse_size(text, expected):
+    assert envs.parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "abc", "1.5XB", "-1GiB", "1,5GiB"])
+def test_parse_size_rejects(text):
+    with pytest.raises(ValueError, match="cannot read"):
+        envs.parse_size(text, what="VLLM_DUALGPU_RESERVE")
+
+
+def test_reserve_default_single_and_per_gpu():
+    assert envs.parse_reserve(None, 2) == [envs.DEFAULT_RESERVE_BYTES] * 2
+    assert envs.parse_reserve("1GiB", 2) == [GiB, GiB]
+    assert envs.parse_reserve("0,1.5GiB", 2) == [0, int(1.5 * GiB)]
+
+
+def test_reserve_count_mismatch_names_the_fix():
+    with pytest.raises(ValueError, match="names 3 reserves for 2 visible GPUs"):
+        envs.parse_reserve("0,1GiB,2GiB", 2)
+
+
+@pytest.mark.parametrize("text,msg", [
+    ("12;28", "not a comma-separated list"),
+    ("12,27", "summing to the model's 40 layers"),
+    ("40,0", "positive layer counts"),
+    ("10,10,20", "must give 2 positive"),
+])
+def test_partition_errors(text, msg):
+    with pytest.raises(ValueError, match=msg):
+        envs.parse_partition(text, 40, 2)
+
+
+def test_partition_ok():
+    assert envs.parse_partition("12,28", 40, 2) == [12, 28]
+    assert envs.parse_partition(None, 40, 2) is None

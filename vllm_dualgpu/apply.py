@@ -1,0 +1,179 @@
+"""Turn a VllmConfig plus the GPUs NVML sees into a plan, and apply it before workers spawn.
+
+Runs in the EngineCore process (no CUDA context there). What it changes:
+- ``parallel_config.assigned_physical_gpu_ids``: which GPU each pipeline rank uses (the card
+  with the most memory last: it holds the output head and the drafter);
+- ``VLLM_PP_LAYER_PARTITION`` (unless the user set it): the layer split;
+- ``parallel_config.worker_cls``: :class:`vllm_dualgpu.worker.DualGpuWorker`, which gives each
+  rank its own memory budget (free memory minus a reserve) and logs one summary line;
+- ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` so CUDA and NVML number the GPUs the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from vllm_dualgpu import envs
+from vllm_dualgpu.gpus import VisibleGpu, read_visible_gpus
+from vllm_dualgpu.log import logger
+
+STOCK_WORKER = "vllm.v1.worker.gpu_worker.Worker"
+OUR_WORKER = "vllm_dualgpu.worker.DualGpuWorker"
+GiB = 1024**3
+
+
+@dataclass
+class AppliedPlan:
+    plan: object  # vllm_dualgpu.planner.Plan
+    gpus: list[VisibleGpu]  # in rank order
+    reserves: list[int]  # in rank order
+
+
+def speculative_dict(vllm_config) -> dict | None:
+    sc = vllm_config.speculative_config
+    if sc is None:
+        return None
+    out = {"method": sc.method, "num_speculative_tokens": sc.num_speculative_tokens}
+    draft = getattr(sc, "draft_model_config", None)
+    if draft is not None and draft.model != vllm_config.model_config.model:
+        out["model"] = draft.model
+        out["draft_hf_config"] = draft.hf_config.to_dict()
+    return out
+
+
+def plan_request(vllm_config, user_partition: list[int] | None):
+    from vllm_dualgpu.planner import PlanRequest
+
+    mc, cc, sc = vllm_config.model_config, vllm_config.cache_config, vllm_config.scheduler_config
+    return PlanRequest(
+        max_model_len=mc.max_model_len,
+        kv_cache_dtype=str(cc.cache_dtype),
+        block_size=cc.block_size,
+        max_num_seqs=sc.max_num_seqs,
+        max_num_batched_tokens=sc.max_num_batched_tokens,
+        speculative=speculative_dict(vllm_config),
+        pp_size=vllm_config.parallel_config.pipeline_parallel_size,
+        layer_partition=user_partition,
+        num_gpu_blocks_override=cc.num_gpu_blocks_override,
+        kv_cache_memory_bytes=cc.kv_cache_memory_bytes,
+        model_dtype=str(mc.dtype).removeprefix("torch."),
+    )
+
+
+def choose_gpus(visible: list[VisibleGpu], pp_size: int) -> list[VisibleGpu]:
+    if len(visible) < pp_size:
+        raise ValueError(
+            f"--pipeline-parallel-size {pp_size} needs {pp_size} GPUs, but only {len(visible)} "
+            f"{'is' if len(visible) == 1 else 'are'} visible "
+            f"({', '.join(g.name for g in visible) or 'none'}). Lower the size or check "
+            "CUDA_VISIBLE_DEVICES."
+        )
+    if len(visible) > pp_size:
+        logger.info(
+            "%d GPUs visible, pipeline_parallel_size=%d: using the first %d (%s); set "
+            "CUDA_VISIBLE_DEVICES to choose others",
+            len(visible), pp_size, pp_size, ", ".join(f"{g.physical_id}:{g.name}" for g in visible[:pp_size]),
+        )
+    return visible[:pp_size]
+
+
+def apply_plan(vllm_config) -> AppliedPlan:
+    from vllm_dualgpu.planner import GpuFacts, ModelSpec, plan
+
+    pc = vllm_config.parallel_config
+    pp = pc.pipeline_parallel_size
+    order_env = os.environ.get("CUDA_DEVICE_ORDER")
+    if os.environ.get("CUDA_VISIBLE_DEVICES") and order_env not in (None, "PCI_BUS_ID"):
+        logger.warning(
+            "CUDA_DEVICE_ORDER=%s: vllm-dualgpu reads CUDA_VISIBLE_DEVICES in PCI bus order "
+            "(nvidia-smi's order) and sets CUDA_DEVICE_ORDER=PCI_BUS_ID", order_env,
+        )
+    os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+
+    visible = read_visible_gpus()
+    reserves_visible = envs.parse_reserve(os.environ.get(envs.RESERVE), len(visible))
+    used = choose_gpus(visible, pp)
+    model = ModelSpec.from_hf_config(
+        vllm_config.model_config.hf_config.to_dict(),
+        quantization=vllm_config.model_config.quantization,
+    )
+    user_partition = envs.parse_partition(
+        os.environ.get("VLLM_PP_LAYER_PARTITION"), model.num_layers, pp
+    )
+    facts = [
+        GpuFacts(
+            index=i,
+            name=g.name,
+            total_bytes=g.total_bytes,
+            free_bytes=g.free_bytes,
+            bandwidth_gbps=g.bandwidth_gbps,
+            capability=g.capability,
+            reserve_bytes=reserves_visible[i],
+        )
+        for i, g in enumerate(used)
+    ]
+    result = plan(model, facts, plan_request(vllm_config, user_partition))
+
+    ranked = [used[i] for i in result.order]
+    reserves = [reserves_visible[i] for i in result.order]
+    pc.assigned_physical_gpu_ids = [g.physical_id for g in ranked]
+    if user_partition is None:
+        os.environ["VLLM_PP_LAYER_PARTITION"] = result.partition_env()
+    os.environ[envs.RANK_RESERVES] = ",".join(str(r) for r in reserves)
+    caps = _explicit_utilization_caps(vllm_config, ranked)
+    if caps is not None:
+        os.environ[envs.RANK_CAPS] = ",".join(str(c) for c in caps)
+    if pc.worker_cls == STOCK_WORKER:
+        pc.worker_cls = OUR_WORKER
+    else:
+        logger.warning(
+            "worker_cls=%s is not vLLM's GPU worker: per-rank memory budgets and summary lines "
+            "are off; the GPU order and layer split still apply", pc.worker_cls,
+        )
+    for line in _overrides(vllm_config, user_partition):
+        logger.info(line)
+    logger.info(
+        "vllm-dualgpu plan: ranks %s, layers %s, predicted KV pool %s blocks, max context %s tokens",
+        " -> ".join(f"{g.physical_id}:{g.name} ({g.free_bytes / GiB:.1f}/{g.total_bytes / GiB:.1f} GiB free)" for g in ranked),
+        "/".join(str(n) for n in result.partition),
+        f"{result.num_blocks:,}",
+        f"{result.max_context_tokens:,}",
+    )
+    _write_plan_file(result, ranked)
+    return AppliedPlan(result, ranked, reserves)
+
+
+def _write_plan_file(result, ranked: list[VisibleGpu]) -> None:
+    """``VLLM_DUALGPU_PLAN_FILE=path``: keep the applied plan as JSON (for tools and tests)."""
+    path = os.environ.get(envs.PLAN_FILE)
+    if not path:
+        return
+    data = result.to_json()
+    data = json.loads(data) if isinstance(data, str) else dict(data)
+    data["physical_gpu_ids"] = [g.physical_id for g in ranked]
+    data["partition"] = list(result.partition)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+
+
+def _explicit_utilization_caps(vllm_config, ranked: list[VisibleGpu]) -> list[int] | None:
+    """An explicit --gpu-memory-utilization caps each rank at that share of its total."""
+    extra = (vllm_config.additional_config or {}).get("dualgpu", {})
+    util = extra.get("gpu_memory_utilization")
+    if util is None:
+        return None
+    return [int(util * g.total_bytes) for g in ranked]
+
+
+def _overrides(vllm_config, user_partition) -> list[str]:
+    cc = vllm_config.cache_config
+    out = []
+    if user_partition is not None:
+        out.append(f"VLLM_PP_LAYER_PARTITION={','.join(map(str, user_partition))} set by the user: using it as the layer split")
+    if cc.num_gpu_blocks_override is not None:
+        out.append(f"--num-gpu-blocks-override {cc.num_gpu_blocks_override} set by the user: every rank gets that many blocks (not checked against free memory by vLLM)")
+    if cc.kv_cache_memory_bytes is not None:
+        out.append(f"--kv-cache-memory-bytes {cc.kv_cache_memory_bytes} set by the user: every rank reserves that much for KV")
+    return out

@@ -1,0 +1,77 @@
+"""The environment variables vllm-dualgpu reads, parsed with errors that say what to write."""
+
+from __future__ import annotations
+
+import os
+import re
+
+# Per-GPU memory kept free for other programs (a desktop, a browser), in visible-GPU order.
+RESERVE = "VLLM_DUALGPU_RESERVE"
+DEFAULT_RESERVE_BYTES = 256 * 1024**2
+# Where the executor writes the plan it applied, as JSON (optional).
+PLAN_FILE = "VLLM_DUALGPU_PLAN_FILE"
+# Set by the executor for its workers: each rank's reserve in bytes, in rank order.
+RANK_RESERVES = "VLLM_DUALGPU_RANK_RESERVES"
+# Set by the executor for its workers: a per-rank cap on the budget (explicit utilization).
+RANK_CAPS = "VLLM_DUALGPU_RANK_CAPS"
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
+          "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4,
+          "tib": 1024**4}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str, *, what: str = "size") -> int:
+    """'1.5GiB' -> bytes. Plain numbers are GiB when small (< 1024), else bytes."""
+    m = _SIZE.match(text)
+    unit = m.group(2).lower() if m else None
+    if not m or unit not in _UNITS:
+        raise ValueError(
+            f"{what}: cannot read {text!r} as a memory size; write e.g. 0, 512MiB, 1.5GiB"
+        )
+    value = float(m.group(1))
+    if unit == "":
+        return int(value * 1024**3) if value < 1024 else int(value)
+    return int(value * _UNITS[unit])
+
+
+def parse_reserve(text: str | None, num_gpus: int) -> list[int]:
+    """``VLLM_DUALGPU_RESERVE``: one size for every GPU, or one per visible GPU ('0,1.5GiB')."""
+    if text is None or text.strip() == "":
+        return [DEFAULT_RESERVE_BYTES] * num_gpus
+    parts = [p for p in text.split(",")]
+    sizes = [parse_size(p, what=RESERVE) for p in parts]
+    if len(sizes) == 1:
+        return sizes * num_gpus
+    if len(sizes) != num_gpus:
+        raise ValueError(
+            f"{RESERVE}={text!r} names {len(sizes)} reserves for {num_gpus} visible GPUs; give "
+            f"one value for all or exactly {num_gpus} comma-separated values in visible-GPU order"
+        )
+    return sizes
+
+
+def parse_partition(text: str | None, num_layers: int, pp_size: int) -> list[int] | None:
+    """A user's ``VLLM_PP_LAYER_PARTITION``, checked the way vLLM will check it."""
+    if text is None or text.strip() == "":
+        return None
+    try:
+        parts = [int(p) for p in text.split(",")]
+    except ValueError:
+        raise ValueError(
+            f"VLLM_PP_LAYER_PARTITION={text!r} is not a comma-separated list of layer counts"
+        ) from None
+    if len(parts) != pp_size or sum(parts) != num_layers or min(parts) < 1:
+        raise ValueError(
+            f"VLLM_PP_LAYER_PARTITION={text!r} must give {pp_size} positive layer counts "
+            f"summing to the model's {num_layers} layers"
+        )
+    return parts
+
+
+def rank_values(env: str, rank: int) -> int | None:
+    text = os.environ.get(env)
+    if not text:
+        return None
+    values = [int(v) for v in text.split(",")]
+    return values[rank] if rank < len(values) else None

@@ -1,0 +1,62 @@
+"""After profiling: does the requested context fit on EVERY rank? If not, say what does.
+
+vLLM checks each rank on its own and names only the first one that fails (vLLM issue #34076),
+which need not be the one that limits the context. This check uses vLLM's own KV arithmetic
+on every rank and reports the largest ``--max-model-len`` that fits all of them.
+"""
+
+from __future__ import annotations
+
+import copy
+
+GiB = 1024**3
+
+
+class ContextDoesNotFit(ValueError):
+    def __init__(self, message: str, largest: int):
+        super().__init__(message)
+        self.largest = largest
+
+
+def per_rank_max_len(vllm_config, kv_cache_specs, available: list[int]) -> list[int | None]:
+    """vLLM's estimate of the longest request each rank's KV budget holds (None: no KV)."""
+    from vllm.v1.core import kv_cache_utils as k
+
+    merged: dict = {}
+    for specs in kv_cache_specs:
+        merged.update(copy.deepcopy(specs))
+    groups = k.get_kv_cache_groups(vllm_config, merged)
+    out: list[int | None] = []
+    for specs, mem in zip(kv_cache_specs, available):
+        projected = k._project_kv_cache_groups_to_worker(groups, specs)
+        if not projected:
+            out.append(None)
+            continue
+        usable = mem - k._pool_bytes_per_block(projected)  # the null block
+        out.append(k._estimate_max_model_len_from_groups(vllm_config, projected, max(usable, 0)))
+    return out
+
+
+def check_context_fits(vllm_config, kv_cache_specs, available: list[int], applied=None) -> None:
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    if mc.original_max_model_len == -1 or cc.num_gpu_blocks_override is not None:
+        return  # vLLM fits the length itself / the user fixed the pool
+    limits = per_rank_max_len(vllm_config, kv_cache_specs, available)
+    known = [(lim, r) for r, lim in enumerate(limits) if lim is not None]
+    if not known:
+        return
+    largest, rank = min(known)
+    if largest >= mc.max_model_len:
+        return
+    gpus = getattr(applied, "gpus", None)
+    where = f"rank {rank}" + (f" ({gpus[rank].name})" if gpus else "")
+    per_rank = ", ".join(
+        f"rank {r}: {lim:,} tokens in {available[r] / GiB:.2f} GiB" for lim, r in known
+    )
+    raise ContextDoesNotFit(
+        f"--max-model-len {mc.max_model_len:,} does not fit: {where} has room for "
+        f"{largest:,} tokens of KV cache ({per_rank}). The largest --max-model-len that fits is "
+        f"{largest:,}: pass --max-model-len {largest}, or free GPU memory / lower "
+        "VLLM_DUALGPU_RESERVE, or use a smaller --kv-cache-dtype (e.g. fp8).",
+        largest,
+    )

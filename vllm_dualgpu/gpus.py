@@ -1,0 +1,85 @@
+"""The GPUs this process may use, read through NVML (no CUDA context is created)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class VisibleGpu:
+    physical_id: int  # NVML index (PCI bus order)
+    name: str
+    total_bytes: int
+    free_bytes: int
+    capability: tuple[int, int]
+    bandwidth_gbps: float | None
+    uuid: str
+
+
+def _bandwidth_gbps(pynvml, handle) -> float | None:
+    """Peak memory bandwidth from bus width and memory clock (DDR: two transfers a clock)."""
+    try:
+        bus_bits = pynvml.nvmlDeviceGetMemoryBusWidth(handle)
+        mem_mhz = pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_MEM)
+    except Exception:
+        return None
+    if not bus_bits or not mem_mhz:
+        return None
+    return bus_bits / 8 * mem_mhz * 2 / 1000
+
+
+def visible_physical_ids(count: int) -> list[int]:
+    """NVML indexes of the GPUs CUDA_VISIBLE_DEVICES allows, in the order it lists them.
+
+    Integer entries are read in PCI bus order (the executor exports CUDA_DEVICE_ORDER=PCI_BUS_ID,
+    which is also NVML's order).
+    """
+    text = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if text is None or text.strip() == "":
+        return list(range(count))
+    ids = []
+    for entry in text.split(","):
+        entry = entry.strip()
+        try:
+            ids.append(int(entry))
+        except ValueError:
+            raise ValueError(
+                f"CUDA_VISIBLE_DEVICES={text!r}: vllm-dualgpu needs integer GPU indexes "
+                "(PCI bus order, as nvidia-smi lists them), not UUIDs or MIG names"
+            ) from None
+        if ids[-1] < 0:
+            break  # CUDA stops at the first invalid entry
+    ids = [i for i in ids if i >= 0]
+    bad = [i for i in ids if i >= count]
+    if bad:
+        raise ValueError(f"CUDA_VISIBLE_DEVICES={text!r} names GPU {bad[0]}, but NVML sees {count}")
+    return ids
+
+
+def read_visible_gpus() -> list[VisibleGpu]:
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        count = pynvml.nvmlDeviceGetCount()
+        out = []
+        for pid in visible_physical_ids(count):
+            h = pynvml.nvmlDeviceGetHandleByIndex(pid)
+            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+            name = pynvml.nvmlDeviceGetName(h)
+            uuid = pynvml.nvmlDeviceGetUUID(h)
+            out.append(
+                VisibleGpu(
+                    physical_id=pid,
+                    name=name.decode() if isinstance(name, bytes) else name,
+                    total_bytes=int(mem.total),
+                    free_bytes=int(mem.free),
+                    capability=tuple(pynvml.nvmlDeviceGetCudaComputeCapability(h)),
+                    bandwidth_gbps=_bandwidth_gbps(pynvml, h),
+                    uuid=uuid.decode() if isinstance(uuid, bytes) else uuid,
+                )
+            )
+        return out
+    finally:
+        pynvml.nvmlShutdown()

@@ -1,0 +1,105 @@
+"""``DualGpuWorker``: vLLM's GPU worker with a memory budget of its own card's free memory.
+
+Stock vLLM asks every rank for ``gpu_memory_utilization x total`` and refuses to boot when a
+card has less free. Here each rank's budget is what its card had free when the worker took its
+snapshot (after its CUDA context and NCCL buffers exist) minus a per-card reserve, optionally
+capped by an explicit ``--gpu-memory-utilization``. vLLM's own profiling then subtracts weights
+and activations from that budget, so the KV pool of each rank is measured, not guessed.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from vllm.v1.worker.gpu_worker import Worker
+
+from vllm_dualgpu import envs, rank_summary
+from vllm_dualgpu.log import logger
+
+GiB = 1024**3
+
+
+def rank_budget(free: int, total: int, reserve: int, cap: int | None) -> int:
+    """Free memory at start minus the reserve; an explicit utilization caps it at that share."""
+    budget = free - reserve
+    if cap is not None:
+        budget = min(budget, cap)
+    return budget
+
+
+def _gib(n: int | float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+class DualGpuWorker(Worker):
+    def init_device(self):
+        # vLLM refuses to boot when free < utilization x total. The real budget is set right
+        # after the snapshot below, so pass that check with the smallest legal share first.
+        self.cache_config.gpu_memory_utilization = 1e-6
+        super().init_device()
+        snap = self.init_snapshot
+        reserve = envs.rank_values(envs.RANK_RESERVES, self.rank) or 0
+        cap = envs.rank_values(envs.RANK_CAPS, self.rank)
+        budget = rank_budget(snap.free_memory, snap.total_memory, reserve, cap)
+        name = torch.cuda.get_device_name(self.device)
+        if budget <= 0:
+            raise ValueError(
+                f"rank {self.rank} ({name}): {_gib(snap.free_memory)} free of "
+                f"{_gib(snap.total_memory)} at start, reserve {_gib(reserve)}: nothing left for "
+                f"vLLM. Free memory on this GPU or lower {envs.RESERVE}."
+            )
+        self.requested_memory = budget
+        self.cache_config.gpu_memory_utilization = min(1.0, budget / snap.total_memory)
+        self._dualgpu_free_at_start = snap.free_memory
+        rank_summary.note("GPU", f"{name} (cuda:{self.device.index})")
+        rank_summary.note(
+            "budget",
+            f"{_gib(budget)} = {_gib(snap.free_memory)} free - {_gib(reserve)} reserve"
+            + (f", capped by --gpu-memory-utilization" if cap is not None else ""),
+        )
+        self._install_native_hooks()
+
+    def _install_native_hooks(self) -> None:
+        """Per-device dispatch in vLLM's compiled library (see docs/sm-hook.md)."""
+        try:
+            from vllm_dualgpu.kernels.sm_hook import install_sm_hook
+        except ImportError as exc:  # the extension did not build or is missing
+            logger.error("vllm-dualgpu: native sm hook unavailable (%s); kernels dispatch for GPU 0", exc)
+            rank_summary.note("sm-hook", f"unavailable: {exc}")
+            return
+        try:
+            install_sm_hook()
+        except Exception as exc:
+            logger.error("vllm-dualgpu: could not install the sm hook: %s", exc)
+            rank_summary.note("sm-hook", f"failed: {exc}")
+
+    def compile_or_warm_up_model(self):
+        result = super().compile_or_warm_up_model()
+        self._log_summary()
+        return result
+
+    def _log_summary(self) -> None:
+        free, total = torch.cuda.mem_get_info(self.device)
+        used = self._dualgpu_free_at_start - free
+        kv = self.cache_config.num_gpu_blocks
+        pp_rank, pp_size = self._pp_position()
+        layers = os.environ.get("VLLM_PP_LAYER_PARTITION", "")
+        split = layers.split(",")
+        rank_summary.note("layers", f"{split[pp_rank]} of {layers.replace(',', '/')}" if len(split) == pp_size else "even split")
+        rank_summary.note("weights", _gib(self.model_runner.model_memory_usage))
+        rank_summary.note("KV", f"{_gib(getattr(self, '_dualgpu_kv_bytes', 0))}, {kv} blocks x {self.cache_config.block_size} tokens" if kv else "n/a")
+        rank_summary.note("used", f"{_gib(used)} (peak torch {_gib(torch.cuda.max_memory_reserved(self.device))})")
+        rank_summary.note("free after", _gib(free))
+        logger.info(rank_summary.line(f"vllm-dualgpu rank {pp_rank}/{pp_size}: "))
+
+    def initialize_from_config(self, kv_cache_config) -> None:
+        super().initialize_from_config(kv_cache_config)
+        self._dualgpu_kv_bytes = sum(t.size for t in kv_cache_config.kv_cache_tensors)
+        self.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+
+    def _pp_position(self) -> tuple[int, int]:
+        from vllm.distributed.parallel_state import get_pp_group
+
+        g = get_pp_group()
+        return g.rank_in_group, g.world_size
