@@ -71,7 +71,7 @@ def choose_gpus(visible: list[VisibleGpu], pp_size: int) -> list[VisibleGpu]:
             "CUDA_VISIBLE_DEVICES."
         )
     if len(visible) > pp_size:
-        logger.info(
+        logger.warning(
             "%d GPUs visible, pipeline_parallel_size=%d: using the first %d (%s); set "
             "CUDA_VISIBLE_DEVICES to choose others",
             len(visible), pp_size, pp_size, ", ".join(f"{g.physical_id}:{g.name}" for g in visible[:pp_size]),
@@ -92,7 +92,16 @@ def apply_plan(vllm_config) -> AppliedPlan:
         )
     os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
 
-    visible = read_visible_gpus()
+    try:
+        visible = read_visible_gpus()
+    except ValueError:
+        raise
+    except Exception as exc:
+        raise RuntimeError(
+            f"vllm-dualgpu: cannot read the GPUs through NVML ({exc!r}). The dualgpu executor "
+            "needs NVIDIA GPUs and their driver; on other hardware use "
+            "--distributed-executor-backend mp."
+        ) from exc
     reserves_visible = envs.parse_reserve(os.environ.get(envs.RESERVE), len(visible))
     used = choose_gpus(visible, pp)
     model = ModelSpec.from_hf_config(

@@ -37,6 +37,14 @@ class DualGpuExecutor(MultiprocExecutor):
             os.environ.pop(ACTIVE_ENV, None)
             logger.info("vllm-dualgpu: %s, running as vLLM's multiprocess executor", why_not)
         else:
+            from vllm.platforms import current_platform
+
+            if not current_platform.is_cuda():
+                raise RuntimeError(
+                    f"vllm-dualgpu: the dualgpu executor needs NVIDIA GPUs, but vLLM runs on "
+                    f"its '{current_platform.device_name}' platform here. Use "
+                    "--distributed-executor-backend mp on this machine."
+                )
             from vllm_dualgpu.apply import apply_plan
 
             self.dualgpu = apply_plan(self.vllm_config)

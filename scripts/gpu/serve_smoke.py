@@ -10,6 +10,7 @@ answered and every process logged its plugin line.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -54,7 +55,11 @@ def main() -> int:
     result["timeline"] = grep(log, r"Loading weights took|Model loading took|Available KV cache|"
                                    r"GPU KV cache size|init engine|Application startup complete|"
                                    r"warm|Warm|autotun|compil")[:60]
-    procs = {p: any(p in l for l in result["plugin_lines"]) for p in ("APIServer", "EngineCore", "PP0", "PP1")}
+    lines = result["plugin_lines"]
+    workers = {re.search(r"\((\w+) pid=(\d+)\)", l).group(0) for l in lines if "(worker," in l and re.search(r"pid=", l)}
+    procs = {"frontend": any("(frontend," in l for l in lines),
+             "engine": any("(engine," in l for l in lines),
+             "two workers": len(workers) == 2}
     result["plugin_line_per_process"] = procs
     (out / "serve_smoke.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: result[k] for k in ("boot_s", "ready", "plugin_line_per_process")}))

@@ -61,8 +61,14 @@ def wrap_create_engine_config(original: Callable) -> Callable:
     @functools.wraps(original)
     def create_engine_config(self, usage_context=None, headless=False):
         self.distributed_executor_backend = resolve_backend(self.distributed_executor_backend)
-        if getattr(self.distributed_executor_backend, "__name__", "") == "DualGpuExecutor":
+        ours = getattr(self.distributed_executor_backend, "__name__", "") == "DualGpuExecutor"
+        if ours:
             remember_explicit_utilization(self)
-        return original(self, usage_context, headless)
+        config = original(self, usage_context, headless)
+        if ours:
+            from vllm_dualgpu import preflight
+
+            preflight.check(config, preflight.nvml_gpu_count())
+        return config
 
     return create_engine_config

@@ -1,0 +1,105 @@
+"""Checks that run in the front end right after vLLM built its config, before any process starts.
+
+Everything that can be known from the config and the environment is checked here, so a wrong
+setting ends ``vllm serve`` with one clear message instead of a failed engine process. What
+needs the GPUs' free memory is checked by the executor (EngineCore) and, after profiling, by
+:mod:`vllm_dualgpu.fit`.
+"""
+
+from __future__ import annotations
+
+import os
+
+from vllm_dualgpu import envs
+from vllm_dualgpu.log import logger
+
+# Speculative methods that relay auxiliary hidden states between pipeline stages, and the
+# model types whose stages can relay them in vLLM 0.30 (eagle3_utils.py).
+AUX_METHODS = ("eagle3", "dflash")
+AUX_PP_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
+class PreflightError(ValueError):
+    pass
+
+
+def num_hidden_layers(vllm_config) -> int:
+    return vllm_config.model_config.get_total_num_hidden_layers()
+
+
+def check(vllm_config, nvml_gpu_count: int | None = None) -> list[str]:
+    """Raise PreflightError for the first fatal problem; return warnings (already logged)."""
+    pc = vllm_config.parallel_config
+    warnings: list[str] = []
+    if pc.pipeline_parallel_size < 2:
+        return warnings
+    reserve_text = os.environ.get(envs.RESERVE)
+    if reserve_text:
+        # Syntax always; the count once NVML says how many GPUs are visible.
+        count = nvml_gpu_count if nvml_gpu_count is not None else len(reserve_text.split(","))
+        envs.parse_reserve(reserve_text, count)
+    envs.parse_partition(
+        os.environ.get("VLLM_PP_LAYER_PARTITION"), num_hidden_layers(vllm_config), pc.pipeline_parallel_size
+    )
+    if nvml_gpu_count is not None:
+        if nvml_gpu_count < pc.world_size:
+            raise PreflightError(
+                f"--pipeline-parallel-size {pc.pipeline_parallel_size} x --tensor-parallel-size "
+                f"{pc.tensor_parallel_size} needs {pc.world_size} GPUs, but {nvml_gpu_count} "
+                f"{'is' if nvml_gpu_count == 1 else 'are'} visible. Lower the sizes or check "
+                "CUDA_VISIBLE_DEVICES."
+            )
+    _check_drafter(vllm_config)
+    cc = vllm_config.cache_config
+    if cc.kv_cache_memory_bytes is not None and os.environ.get(envs.RESERVE):
+        warnings.append(
+            f"--kv-cache-memory-bytes is set: every rank takes exactly that for KV and "
+            f"{envs.RESERVE} no longer shapes the KV pool"
+        )
+    if cc.kv_cache_memory_bytes is not None and cc.num_gpu_blocks_override is not None:
+        warnings.append(
+            "--kv-cache-memory-bytes and --num-gpu-blocks-override are both set: vLLM sizes "
+            "the pool from --num-gpu-blocks-override"
+        )
+    for w in warnings:
+        logger.warning("vllm-dualgpu: %s", w)
+    return warnings
+
+
+def _check_drafter(vllm_config) -> None:
+    sc = vllm_config.speculative_config
+    if sc is None or sc.method not in AUX_METHODS:
+        return
+    model_type = getattr(vllm_config.model_config.hf_text_config, "model_type", "")
+    if model_type in AUX_PP_MODEL_TYPES or _aux_relay_patch_declared():
+        return
+    raise PreflightError(
+        f"--speculative-config method '{sc.method}' needs auxiliary hidden states relayed "
+        f"between pipeline stages, which vLLM 0.30 does not do for model type '{model_type}'. "
+        "Use method 'mtp' (if the model has MTP layers), run without speculative decoding, or "
+        "use --pipeline-parallel-size 1."
+    )
+
+
+def _aux_relay_patch_declared() -> bool:
+    from vllm_dualgpu.patches.registry import PATCHES
+
+    return any("aux-hidden" in p.name for p in PATCHES)
+
+
+def nvml_gpu_count() -> int | None:
+    """Visible GPUs by NVML, or None when NVML is unavailable (then the executor decides)."""
+    try:
+        import pynvml
+
+        from vllm_dualgpu.gpus import visible_physical_ids
+
+        pynvml.nvmlInit()
+        try:
+            return len(visible_physical_ids(pynvml.nvmlDeviceGetCount()))
+        finally:
+            pynvml.nvmlShutdown()
+    except ValueError:
+        raise
+    except Exception:
+        return None
