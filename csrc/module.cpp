@@ -4,6 +4,9 @@
 
 namespace py = pybind11;
 
+// sm_hook.cpp: per-device get_sm_version_num() for vLLM's compiled library (docs/sm-hook.md).
+void register_sm_hook(py::module_& m);
+
 #ifndef VLLM_DUALGPU_VERSION
 #define VLLM_DUALGPU_VERSION "dev"
 #endif
@@ -12,4 +15,5 @@ PYBIND11_MODULE(_C, m) {
     m.doc() = "vllm-dualgpu native helpers";
     m.attr("__version__") = VLLM_DUALGPU_VERSION;
     m.def("abi_ok", []() { return true; }, "Returns True: proves the extension loads.");
+    register_sm_hook(m);
 }

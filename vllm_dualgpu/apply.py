@@ -48,7 +48,7 @@ def plan_request(vllm_config, user_partition: list[int] | None):
 
     mc, cc, sc = vllm_config.model_config, vllm_config.cache_config, vllm_config.scheduler_config
     return PlanRequest(
-        max_model_len=mc.max_model_len,
+        max_model_len=-1 if mc.original_max_model_len == -1 else mc.max_model_len,
         kv_cache_dtype=str(cc.cache_dtype),
         block_size=cc.block_size,
         max_num_seqs=sc.max_num_seqs,
@@ -59,7 +59,21 @@ def plan_request(vllm_config, user_partition: list[int] | None):
         num_gpu_blocks_override=cc.num_gpu_blocks_override,
         kv_cache_memory_bytes=cc.kv_cache_memory_bytes,
         model_dtype=str(mc.dtype).removeprefix("torch."),
+        objective=os.environ.get(envs.OBJECTIVE, "pool"),
+        enable_prefix_caching=bool(cc.enable_prefix_caching),
+        mamba_cache_mode=getattr(cc, "mamba_cache_mode", None),
+        mamba_cache_dtype=str(getattr(cc, "mamba_cache_dtype", "auto")),
+        mamba_ssm_cache_dtype=str(getattr(cc, "mamba_ssm_cache_dtype", "auto")),
+        enforce_eager=bool(mc.enforce_eager),
+        # The registry's drafter-shares-target-embed patch removes the drafter's copy.
+        drafter_shares_embedding=_patch_declared("drafter-shares-target-embed"),
     )
+
+
+def _patch_declared(name: str) -> bool:
+    from vllm_dualgpu.patches.registry import PATCHES
+
+    return any(p.name == name for p in PATCHES)
 
 
 def choose_gpus(visible: list[VisibleGpu], pp_size: int) -> list[VisibleGpu]:
@@ -128,8 +142,9 @@ def apply_plan(vllm_config) -> AppliedPlan:
     ranked = [used[i] for i in result.order]
     reserves = [reserves_visible[i] for i in result.order]
     pc.assigned_physical_gpu_ids = [g.physical_id for g in ranked]
-    if user_partition is None:
-        os.environ["VLLM_PP_LAYER_PARTITION"] = result.partition_env()
+    partition = result.partition_env()
+    if user_partition is None and partition:
+        os.environ["VLLM_PP_LAYER_PARTITION"] = partition
     os.environ[envs.RANK_RESERVES] = ",".join(str(r) for r in reserves)
     caps = _explicit_utilization_caps(vllm_config, ranked)
     if caps is not None:

@@ -8,6 +8,8 @@ import re
 # Per-GPU memory kept free for other programs (a desktop, a browser), in visible-GPU order.
 RESERVE = "VLLM_DUALGPU_RESERVE"
 DEFAULT_RESERVE_BYTES = 256 * 1024**2
+# What the split search maximises: pool (default), speed or auto (see docs/planner.md).
+OBJECTIVE = "VLLM_DUALGPU_OBJECTIVE"
 # Where the executor writes the plan it applied, as JSON (optional).
 PLAN_FILE = "VLLM_DUALGPU_PLAN_FILE"
 # Set by the executor for its workers: each rank's reserve in bytes, in rank order.

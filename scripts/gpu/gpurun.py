@@ -32,17 +32,24 @@ def kill(p: subprocess.Popen, grace: float = 5.0) -> None:
             os.killpg(p.pid, sig)
         end = time.time() + wait
         while time.time() < end and _group_alive(p.pid):
+            p.poll()  # reap our direct child
             time.sleep(0.2)
     with contextlib.suppress(Exception):
         p.wait(timeout=1)
 
 
 def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
+    """Whether a process of the group still runs (zombies, waiting to be reaped, do not count)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
 
 
 def wait_for(log: Path, pattern: str, timeout: float, proc: subprocess.Popen | None = None,

@@ -6,6 +6,16 @@ load_format="dummy"); ``--weights random`` saves seeded random weights with tran
 runs of the same model can be compared token for token.
 
     python scripts/gpu/make_model.py PRESET OUTDIR [--weights dummy|random] [--seed 0]
+
+Presets ``*-hybrid`` are Qwen3.5-style text models (``Qwen3_5ForCausalLM``, model_type
+``qwen3_5_text``): three Gated DeltaNet (linear attention) layers per full-attention layer, as
+in Qwen3.5, plus one MTP layer (``mtp_num_hidden_layers: 1``) so vLLM can run them with
+``speculative_config={"method": "mtp", ...}``. transformers builds the main model but has no
+MTP module (it ignores ``mtp.*`` keys on load), so the MTP weights (``mtp.fc``, the three MTP
+norms and one full-attention decoder layer, named as in Qwen3.5 checkpoints) are written here,
+seeded, to ``model-mtp.safetensors``; their shapes are taken from the main model's own
+full-attention layer. A random drafter rarely agrees with the target, so most drafts are
+rejected: the tokens stay the target's greedy tokens, which is what the tests compare.
 """
 
 from __future__ import annotations
@@ -31,6 +41,30 @@ def qwen3(layers, hidden, heads, kv_heads, head_dim, inter, vocab, **extra):
     return cfg
 
 
+def qwen3_5(layers, hidden, heads, kv_heads, head_dim, inter, vocab, lin_k_heads, lin_v_heads,
+            lin_head_dim, full_every=4, mtp_layers=1, **extra):
+    """A Qwen3.5-style hybrid: Gated DeltaNet layers with a full-attention layer every
+    ``full_every`` layers (the last of each group), gated attention output, partial RoPE."""
+    cfg = {
+        "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
+        "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+        "layer_types": ["full_attention" if (i + 1) % full_every == 0 else "linear_attention"
+                        for i in range(layers)],
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": lin_head_dim,
+        "linear_value_head_dim": lin_head_dim, "linear_num_key_heads": lin_k_heads,
+        "linear_num_value_heads": lin_v_heads,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000,
+                            "partial_rotary_factor": 0.25},
+        "vocab_size": vocab, "max_position_embeddings": 262144, "rms_norm_eps": 1e-6,
+        "torch_dtype": "bfloat16", "tie_word_embeddings": False, "hidden_act": "silu",
+        "attention_bias": False, "mtp_num_hidden_layers": mtp_layers,
+        "bos_token_id": 1, "eos_token_id": 2,
+    }
+    cfg.update(extra)
+    return cfg
+
+
 PRESETS = {
     # Boots in seconds; for plumbing tests.
     "tiny-dense": lambda: qwen3(4, 256, 4, 2, 64, 512, 2048),
@@ -38,7 +72,33 @@ PRESETS = {
     "small-dense": lambda: qwen3(8, 512, 8, 4, 64, 1536, 4096),
     # Qwen3-14B-class shapes with block-FP8 weights (dummy): the memory benchmark's model.
     "qwen3-14b-fp8": lambda: qwen3(40, 5120, 40, 8, 128, 17408, 151936, quantization_config=FP8_BLOCK),
+    # Qwen3.5-style GDN hybrid with one MTP layer; the hybrid counterpart of small-dense
+    # (head dims as in Qwen3.5: 256 for attention, 128 for the linear-attention heads).
+    "small-hybrid": lambda: qwen3_5(8, 512, 8, 2, 256, 1536, 4096, lin_k_heads=4, lin_v_heads=8,
+                                    lin_head_dim=128),
 }
+
+
+def is_hybrid(cfg: dict) -> bool:
+    return "linear_attention" in cfg.get("layer_types", ())
+
+
+def has_mtp(model_dir: Path) -> bool:
+    """Whether a model directory holds MTP weights vLLM's ``method: mtp`` can load."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    if not cfg.get("mtp_num_hidden_layers"):
+        return False
+    return any(_safetensors_names(f, prefix="mtp.") for f in Path(model_dir).glob("*.safetensors"))
+
+
+def _safetensors_names(path: Path, prefix: str = "") -> list[str]:
+    """Tensor names in a safetensors file, read from its JSON header (no torch needed)."""
+    import struct
+
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return [k for k in header if k != "__metadata__" and k.startswith(prefix)]
 
 
 def write_tokenizer(out: Path, vocab_size: int) -> None:
@@ -73,6 +133,10 @@ def write_random_weights(out: Path, cfg: dict, seed: int) -> None:
 
     torch.manual_seed(seed)
     config = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
+    if is_hybrid(cfg):
+        # transformers resolves qwen3_5_text to its CausalLM; make sure it did not pick a
+        # multimodal class that would save the weights under another prefix.
+        assert type(config).__name__ == "Qwen3_5TextConfig", type(config).__name__
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
     # Larger-than-default init keeps greedy outputs varied instead of collapsing to one token.
     with torch.no_grad():
@@ -80,6 +144,52 @@ def write_random_weights(out: Path, cfg: dict, seed: int) -> None:
             if p.dim() >= 2:
                 p.normal_(0, 0.05)
     model.save_pretrained(str(out), safe_serialization=True)
+    if cfg.get("mtp_num_hidden_layers"):
+        write_mtp_weights(out, cfg, model.state_dict(), seed)
+
+
+def mtp_tensors(cfg: dict, state: dict, seed: int) -> dict:
+    """Seeded MTP weights named as in Qwen3.5 checkpoints (``mtp.*``), shaped from ``state``.
+
+    Each MTP decoder layer copies the shapes of the main model's first full-attention layer
+    (the MTP layer is a full-attention layer); ``mtp.fc`` maps [embedding; hidden] (2 x hidden)
+    to hidden. Norms are Gemma-style (1 + weight) and start at zero, as transformers
+    initialises them; matrices get the same N(0, 0.05) as the main model.
+    """
+    import torch
+
+    full = cfg["layer_types"].index("full_attention")
+    src = f"model.layers.{full}."
+    template = {k[len(src):]: v for k, v in state.items() if k.startswith(src)}
+    if not template:
+        raise ValueError(f"no weights under {src!r} to shape the MTP layer from")
+    hidden = cfg["hidden_size"]
+    gen = torch.Generator().manual_seed(seed + 1)
+
+    def randn(shape):
+        return (torch.randn(shape, generator=gen) * 0.05).to(torch.bfloat16)
+
+    out = {"mtp.fc.weight": randn((hidden, 2 * hidden))}
+    for norm in ("mtp.norm.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.pre_fc_norm_embedding.weight"):
+        out[norm] = torch.zeros(hidden, dtype=torch.bfloat16)
+    for i in range(cfg["mtp_num_hidden_layers"]):
+        for name, t in sorted(template.items()):
+            key = f"mtp.layers.{i}.{name}"
+            out[key] = randn(tuple(t.shape)) if t.dim() >= 2 else torch.zeros(tuple(t.shape), dtype=torch.bfloat16)
+    return out
+
+
+def write_mtp_weights(out: Path, cfg: dict, state: dict, seed: int) -> None:
+    from safetensors.torch import save_file
+
+    tensors = mtp_tensors(cfg, state, seed)
+    name = "model-mtp.safetensors"
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / name), metadata={"format": "pt"})
+    index = out / "model.safetensors.index.json"
+    if index.exists():  # sharded checkpoint: loaders follow the index, so list the MTP file
+        data = json.loads(index.read_text())
+        data.setdefault("weight_map", {}).update({k: name for k in tensors})
+        index.write_text(json.dumps(data, indent=1))
 
 
 def main() -> None:

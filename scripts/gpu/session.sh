@@ -22,9 +22,15 @@ declare -A CMD=(
   [fp8]="python3 scripts/gpu/tune_and_bench_fp8.py"
   [mem]="python3 scripts/gpu/bench_memory.py"
   [spec]="python3 scripts/gpu/spec_decode_pp.py"
-  [e2e]="python3 scripts/gpu/e2e_correctness.py"
+  [e2e]="python3 scripts/gpu/e2e_correctness.py --quick"
+  [e2e-full]="python3 scripts/gpu/e2e_correctness.py"
+  [soak]="python3 scripts/gpu/soak.py"
+  [suite]="bash scripts/gpu/run_gpu_suite.sh"
 )
-declare -A LIMIT=([smoke]=420 [hook]=90 [fp8]=330 [mem]=560 [spec]=300 [e2e]=400)
+# e2e: 4 engine boots (~6 min); e2e-full: 6 (~9 min); suite: pytest -m gpu (e2e quick inside);
+# soak: ~2 min boot + 10 min of load + drain, longer than one 10-minute command: run it detached.
+declare -A LIMIT=([smoke]=420 [hook]=90 [fp8]=330 [mem]=560 [spec]=300 [e2e]=540 [e2e-full]=590
+                  [soak]=800 [suite]=590)
 status=0
 for stage in "$@"; do
   dir="$WORK/$stage"; rm -rf "$dir"; mkdir -p "$dir"
@@ -35,8 +41,8 @@ for stage in "$@"; do
   echo "=== $stage rc=$rc in $(( $(date +%s) - s )) s"; tail -15 "$dir/stage.log"
   [ $rc -eq 0 ] || status=1
   # Anything a stage left behind (vLLM workers, ballast) must not leak into the next one.
-  pkill -9 -f 'boot_llm.py|vllm serve|ballast.py|VLLM::' 2>/dev/null; sleep 1
-  find "$dir" -maxdepth 1 \( -name '*.json' -o -name '*.md' \) -size -4M -exec cp {} "$OUT/" \;
+  pkill -9 -f 'boot_llm.py|e2e_correctness.py|vllm serve|ballast.py|VLLM::' 2>/dev/null; sleep 1
+  find "$dir" -maxdepth 1 \( -name '*.json' -o -name '*.md' -o -name '*.png' -o -name '*.xml' \) -size -4M -exec cp {} "$OUT/" \;
   tar czf "$OUT/$stage-logs.tar.gz" -C "$WORK" --exclude='models' --exclude='*.safetensors' "$stage"
 done
 exit $status

@@ -1,13 +1,336 @@
-"""`vllm-dualgpu plan` (placeholder until its issue lands)."""
+"""``vllm-dualgpu plan``: GPU order, layer split and KV pool for a model, without a GPU.
+
+Takes ``vllm serve``'s argument names (model, ``--max-model-len``, ``--kv-cache-dtype``,
+``--speculative-config``, ``--block-size``, ...) plus ``--gpus`` to plan for cards that are not
+here. With no arguments it plans the bundled Qwen3.8-27B-class reference on an RTX 4070 Ti
+SUPER 16 GB + RTX 5090 32 GB pair. Imports neither vLLM nor torch; NVML only for ``--gpus local``.
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+_EPILOG = """\
+--gpus syntax: comma-separated NAME[:TOTAL[:FREE]][:key=value...], in CUDA index order.
+  Known cards need no size: --gpus "RTX 4070 Ti SUPER,RTX 5090"
+  Sizes: 16GiB, 15.5GiB, 512MiB (binary), 16GB (decimal); a bare number is GiB.
+  Keys: free=, reserve= (memory to leave free, e.g. for a desktop), bw= (GB/s), cc= (e.g. 8.9)
+  Example: --gpus "RTX 4070 Ti SUPER:16GiB,RTX 5090:32GiB:30GiB:reserve=1GiB"
+  --gpus local reads this machine's GPUs through NVML.
+Exit status: 0 planned, 1 cannot be planned as asked (the message says what fits), 2 bad arguments.
+"""
+
+
+def _human_int(value: str) -> int:
+    """vLLM's human_readable_int: 1k = 1000, 1K = 1024, 25.6k = 25600."""
+    v = value.strip()
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT])", v)
+    if m:
+        num, suf = m.groups()
+        if suf.islower():
+            return int(float(num) * 10 ** (3 * "kmgt".index(suf) + 3))
+        if "." in num:
+            raise argparse.ArgumentTypeError(f"decimals are not allowed with binary suffix {suf}")
+        return int(num) * 2 ** (10 * "KMGT".index(suf) + 10)
+    try:
+        return int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
+
+
+def _int_or_auto(value: str) -> int:
+    if value.strip().lower() in ("auto", "-1"):
+        return -1
+    return _human_int(value)
+
+
+def _json_dict(value: str) -> dict:
+    try:
+        d = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return d
+
+
+def _int_list(value: str) -> list[int]:
+    try:
+        return [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {value!r}") from None
+
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("plan", help="(not implemented yet)")
+    p = sub.add_parser(
+        "plan",
+        help="plan GPU order, layer split and KV pool (no GPU needed)",
+        description=(
+            "Plan how vLLM serves a model over mismatched GPUs with pipeline parallelism: which "
+            "card is which rank, how many layers each holds, and how large the shared KV pool "
+            "and the context can be. Without arguments: the bundled Qwen3.8-27B-class reference "
+            "on an RTX 4070 Ti SUPER 16 GB + RTX 5090 32 GB pair."
+        ),
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("model", nargs="?", help="model directory holding config.json (or the config.json itself)")
+    p.add_argument("--model", dest="model_opt", metavar="MODEL", help=argparse.SUPPRESS)
+    p.add_argument("--reference", default=None, help="bundled reference config: qwen3.8-27b (default) or qwen3-14b")
+    p.add_argument("--gpus", help="cards to plan for (see below); default: this machine's, else the reference pair")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--max-model-len", type=_int_or_auto, help="context length to plan for (auto/-1: largest that fits)")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        help="auto, bfloat16, float16, fp8, fp8_e4m3, fp8_e5m2 (default: auto; fp8 for the reference)",
+    )
+    p.add_argument("--block-size", type=int, help="KV block size in tokens")
+    p.add_argument("--max-num-seqs", type=int, help="default: vLLM's default for device 0")
+    p.add_argument("--max-num-batched-tokens", type=_human_int, help="default: vLLM's default for device 0")
+    p.add_argument("--speculative-config", type=_json_dict, help="JSON, as for vllm serve")
+    p.add_argument("-pp", "--pipeline-parallel-size", type=int, help="default: the number of GPUs")
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("-q", "--quantization", help="vLLM's --quantization (e.g. fp8 for a 16-bit checkpoint)")
+    p.add_argument("--dtype", default="auto", help="model dtype (auto: the config's)")
+    p.add_argument("--num-gpu-blocks-override", type=int)
+    p.add_argument("--kv-cache-memory-bytes", type=_human_int)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="for the stock-vLLM comparison")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--mamba-cache-dtype", default="auto")
+    p.add_argument("--mamba-ssm-cache-dtype", default="auto")
+    p.add_argument("--mamba-cache-mode", default=None, choices=("none", "align", "all"))
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--language-model-only", action="store_true", help="no vision tower")
+    p.add_argument(
+        "--weight-format",
+        default="auto",
+        help="auto (read quantization_config), fp8, int8, nvfp4, w4a16, bf16, or per category "
+        "'mlp=nvfp4,attention=fp8,linear_attention=fp8'",
+    )
+    p.add_argument(
+        "--layer-partition",
+        type=_int_list,
+        help="layers per rank, e.g. 12,52 (default: $VLLM_PP_LAYER_PARTITION, else searched)",
+    )
+    p.add_argument("--gpu-order", type=_int_list, help="CUDA indices, rank 0 first (default: searched)")
+    p.add_argument(
+        "--objective",
+        default=os.environ.get("VLLM_DUALGPU_OBJECTIVE", "pool"),
+        choices=("pool", "speed", "auto"),
+        help="pool (default, $VLLM_DUALGPU_OBJECTIVE): largest KV pool, the faster split among "
+        "those within 1%% of it; speed/auto: fastest split that holds --max-model-len",
+    )
+    p.add_argument("--drafter-shares-embedding", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--vision-on-every-rank", action="store_true", help=argparse.SUPPRESS)
+    # Pasted from a `vllm serve` command line: accepted and ignored.
+    for flag in ("--port", "--host", "--served-model-name", "--distributed-executor-backend", "--api-key",
+                 "--chat-template", "--tool-call-parser", "--reasoning-parser", "--limit-mm-per-prompt",
+                 "--mm-processor-kwargs", "--tokenizer"):
+        p.add_argument(flag, help=argparse.SUPPRESS)
+    for flag in ("--trust-remote-code", "--enable-auto-tool-choice", "--enable-chunked-prefill",
+                 "--no-enable-flashinfer-autotune", "--async-scheduling"):
+        p.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(run=run)
 
 
+# ---------------------------------------------------------------------------------------------
+
+
+class _Fail(Exception):
+    """A usage problem: print the message and exit 2."""
+
+
+def _read_config(model: str) -> tuple[dict, str]:
+    path = Path(model).expanduser()
+    if path.is_dir():
+        cfg = path / "config.json"
+    elif path.is_file():
+        cfg = path
+    else:
+        cfg = None
+        if re.fullmatch(r"[\w.-]+/[\w.-]+", model):  # a Hub id: look in the local Hugging Face cache
+            home = Path(os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME", "~/.cache/huggingface")) / "hub")
+            snaps = sorted((home.expanduser() / f"models--{model.replace('/', '--')}" / "snapshots").glob("*/config.json"))
+            if snaps:
+                cfg = snaps[-1]
+        if cfg is None:
+            raise _Fail(
+                f"cannot find {model!r}: give a local model directory with config.json (plan does not "
+                "download anything)"
+            )
+    if not cfg.is_file():
+        raise _Fail(f"{path} has no config.json")
+    try:
+        return json.loads(cfg.read_text()), str(cfg)
+    except (OSError, json.JSONDecodeError) as e:
+        raise _Fail(f"cannot read {cfg}: {e}") from None
+
+
+def _gpus(args, have_model: bool):
+    from vllm_dualgpu.planner import parse_gpus, reference_pair
+
+    notes = []
+    if args.gpus and args.gpus.strip().lower() != "local":
+        return parse_gpus(args.gpus), notes
+    if args.gpus or have_model:
+        try:
+            from vllm_dualgpu.planner.gpus import from_nvml
+
+            local = from_nvml()
+        except Exception as e:  # no driver, no pynvml, no GPU
+            if args.gpus:
+                raise _Fail(f"--gpus local: cannot read GPUs through NVML ({e})") from None
+            local = []
+        if local:
+            return local, notes
+        notes.append("no GPUs visible here: planning for the reference pair (RTX 5090 + RTX 4070 Ti SUPER)")
+    return reference_pair(), notes
+
+
+def _serve_command(model_arg: str, p, args) -> str:
+    parts = ["vllm serve", model_arg, f"--pipeline-parallel-size {len(p.partition)}", "--distributed-executor-backend dualgpu"]
+    parts.append(f"--max-model-len {p.max_model_len}")
+    if args.kv_cache_dtype != "auto":
+        parts.append(f"--kv-cache-dtype {args.kv_cache_dtype}")
+    if args.speculative_config:
+        spec = {k: v for k, v in args.speculative_config.items() if k != "draft_config"}
+        parts.append(f"--speculative-config '{json.dumps(spec)}'")
+    if args.block_size:
+        parts.append(f"--block-size {args.block_size}")
+    return " ".join(parts)
+
+
+def _stock_line(s, part_text: str) -> str:
+    head = (
+        f"Stock vLLM 0.30 (GPUs {','.join(map(str, s.order))} in CUDA order, even split {part_text}, "
+        f"one --gpu-memory-utilization for all ranks): "
+    )
+    if s.boots:
+        at = f"at {s.gpu_memory_utilization:.2f} it boots with {s.num_blocks:,} blocks ({s.pool_tokens:,} tokens)"
+    else:
+        at = f"at {s.gpu_memory_utilization:.2f} it fails: {s.reason}"
+    if s.best_utilization is None:
+        best = "; it does not boot at any utilization"
+    elif s.best_utilization != s.gpu_memory_utilization:
+        if s.best_boots:
+            best = (
+                f"; the highest that boots, {s.best_utilization:.2f}, gives {s.best_num_blocks:,} blocks "
+                f"({s.best_pool_tokens:,} tokens, max context {s.best_max_context_tokens:,})"
+            )
+        else:
+            best = f"; at {s.best_utilization:.2f}, the highest its free-memory check allows, {s.best_reason}"
+    else:
+        best = ""
+    return head + at + best + "."
+
+
 def run(args) -> int:
-    print("vllm-dualgpu plan: not implemented yet")
-    return 2
+    from vllm_dualgpu import planner as P
+
+    try:
+        model_arg = args.model or args.model_opt
+        if args.tensor_parallel_size != 1:
+            raise _Fail("plans cover --tensor-parallel-size 1 (pipeline parallelism only)")
+        if model_arg and args.reference:
+            raise _Fail("give a model or --reference, not both")
+        if model_arg:
+            cfg, source = _read_config(model_arg)
+        else:
+            ref = args.reference or "qwen3.8-27b"
+            cfg = P.reference_config(ref)
+            source = f"bundled reference {ref}"
+            model_arg = "MODEL"
+            for k, v in ((cfg.get("_vllm_dualgpu") or {}).get("serve") or {}).items():
+                if getattr(args, k, None) is None:
+                    setattr(args, k, v)
+        if args.kv_cache_dtype is None:
+            args.kv_cache_dtype = "auto"
+        model = P.ModelSpec.from_hf_config(cfg, weight_format=args.weight_format, quantization=args.quantization)
+        gpus, notes = _gpus(args, bool(args.model or args.model_opt))
+
+        spec = dict(args.speculative_config) if args.speculative_config else None
+        if spec and spec.get("model") and str(spec.get("method", "")).lower() not in ("mtp", "ngram", "ngram_gpu", "suffix"):
+            dcfg, _ = _read_config(str(spec["model"]))
+            spec["draft_config"] = dcfg
+        layer_partition = args.layer_partition
+        if layer_partition is None and os.environ.get("VLLM_PP_LAYER_PARTITION"):
+            layer_partition = _int_list(os.environ["VLLM_PP_LAYER_PARTITION"])
+        pp = args.pipeline_parallel_size or (len(layer_partition) if layer_partition else len(gpus))
+        req = P.PlanRequest(
+            max_model_len=args.max_model_len,
+            kv_cache_dtype=args.kv_cache_dtype,
+            block_size=args.block_size,
+            max_num_seqs=args.max_num_seqs or 0,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            speculative=spec,
+            pp_size=pp,
+            layer_partition=layer_partition,
+            num_gpu_blocks_override=args.num_gpu_blocks_override,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            model_dtype=model.dtype if args.dtype == "auto" else args.dtype,
+            gpu_order=args.gpu_order,
+            objective=args.objective,
+            enable_prefix_caching=args.enable_prefix_caching,
+            mamba_cache_mode=args.mamba_cache_mode,
+            mamba_cache_dtype=args.mamba_cache_dtype,
+            mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
+            enforce_eager=args.enforce_eager,
+            language_model_only=args.language_model_only,
+            vision_on_every_rank=args.vision_on_every_rank,
+            drafter_shares_embedding=args.drafter_shares_embedding,
+        )
+    except _Fail as e:
+        print(f"vllm-dualgpu plan: {e}", file=sys.stderr)
+        return 2
+    except P.PlanError as e:
+        print(f"vllm-dualgpu plan: {e}", file=sys.stderr)
+        return 2 if isinstance(e, P.BadRequest) else 1
+
+    try:
+        p = P.plan(model, gpus, req)
+    except P.PlanError as e:
+        if args.json:
+            err = {"error": type(e).__name__, "message": str(e)}
+            for k in ("largest_fitting_max_model_len", "requested", "rank", "gpu_name", "short_bytes", "partition"):
+                if hasattr(e, k):
+                    err[k] = getattr(e, k)
+            print(json.dumps(err, indent=2))
+        else:
+            print(f"vllm-dualgpu plan: {e}", file=sys.stderr)
+            best = getattr(e, "best_plan", None)
+            if best is not None:
+                print(f"\nThe plan at --max-model-len {best.max_model_len:,}:\n", file=sys.stderr)
+                print(best.table(), file=sys.stderr)
+        return 2 if isinstance(e, P.BadRequest) else 1
+
+    stock = None
+    if not p.passthrough:
+        try:
+            stock = P.stock_estimate(model, gpus, req, args.gpu_memory_utilization)
+        except P.PlanError:
+            stock = None
+    command = _serve_command(model_arg, p, args)
+    if args.json:
+        out = {"source": source, "plan": p.to_dict(), "stock": stock.to_dict() if stock else None,
+               "command": command, "notes": notes}
+        print(json.dumps(out, indent=2))
+        return 0
+
+    print(f"vllm-dualgpu plan ({source})")
+    for n in notes:
+        print(f"Note: {n}")
+    print(p.table(), end="")
+    if stock is not None:
+        print(_stock_line(stock, "/".join(map(str, stock.partition))))
+    if not p.passthrough:
+        print()
+        print("Serve it with the dualgpu executor, which applies this GPU order, split and memory plan:")
+        print(f"  {command}")
+        print(f"(by hand: CUDA_VISIBLE_DEVICES={p.cuda_visible_devices()} VLLM_PP_LAYER_PARTITION={p.partition_env()})")
+    return 0

@@ -1,11 +1,13 @@
 """The machinery behind the patch registry: declare, check, apply, never half-apply.
 
-A patch replaces one attribute of vLLM (a module function, a method or a classmethod) with a
-wrapper built by a factory from the original. Before anything changes, every precondition is
-checked: the vLLM version is in range, the target exists and has the expected parameters, and
-every module that holds a ``from x import f`` copy still holds the original. Only then is the
-target replaced and the copies rebound. A patched object carries a sentinel attribute, so a
-second application is a no-op.
+A patch replaces one attribute of vLLM (a module function, a method, a classmethod or the
+getter of a property) with a wrapper built by a factory from the original. Before anything
+changes, every precondition is checked: the vLLM version is in range, the target exists and has
+the expected parameters, the factory loads, and every already imported module that holds a
+``from x import f`` copy still holds the original. Only then is the target replaced and the
+copies rebound. A patched object carries a sentinel attribute, so a second application is a
+no-op. :func:`check_patch` runs the same checks without changing anything (``vllm-dualgpu
+doctor`` uses it).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from dataclasses import dataclass, field
 SENTINEL = "__vllm_dualgpu_patch__"
 
 APPLIED, ALREADY, SKIPPED, FAILED = "applied", "already applied", "skipped", "failed"
+READY = "ready"
+"""check_patch's verdict when every check passes: apply_patch would change the target now."""
 
 
 @dataclass(frozen=True)
@@ -40,7 +44,8 @@ class Patch:
     params: tuple[str, ...]
     """Parameter names the target must have (in order); anything else is refused."""
     copies: tuple[str, ...] = ()
-    """Modules holding a ``from x import name`` copy of a module-level target; rebound too."""
+    """Modules holding a ``from x import name`` copy of a module-level target; rebound too when
+    already imported (a module imported after the patch binds the replacement itself)."""
     issue: str = ""
     """The project issue that owns the patch."""
     optional: bool = False
@@ -86,7 +91,20 @@ def _raw_attr(owner: object, attr: str) -> object:
 
 
 def _function_of(raw: object) -> Callable:
+    if isinstance(raw, property):
+        return raw.fget  # type: ignore[return-value]
     return raw.__func__ if isinstance(raw, (classmethod, staticmethod)) else raw  # type: ignore[return-value]
+
+
+def _stored_form(raw: object, func: Callable) -> object:
+    """``func`` wrapped the way ``raw`` is stored (classmethod, staticmethod, property)."""
+    if isinstance(raw, property):
+        return raw.getter(func)  # keeps the setter, deleter and docstring
+    if isinstance(raw, classmethod):
+        return classmethod(func)
+    if isinstance(raw, staticmethod):
+        return staticmethod(func)
+    return func
 
 
 def _param_names(func: Callable) -> tuple[str, ...]:
@@ -105,8 +123,20 @@ def version_in_range(version: str, spec: str) -> bool:
     return Version(version) in SpecifierSet(spec)
 
 
-def apply_patch(patch: Patch, vllm_version: str) -> Outcome:
-    """Check everything, then change everything; on any doubt change nothing."""
+@dataclass
+class _Checked:
+    """Everything apply_patch needs once every check has passed."""
+
+    owner: object
+    attr: str
+    raw: object
+    original: Callable
+    factory: Callable[[Callable], Callable]
+    copy_modules: list
+
+
+def _check(patch: Patch, vllm_version: str) -> Outcome | _Checked:
+    """The checks of apply_patch, changing nothing: an Outcome when it must not apply."""
     if not version_in_range(vllm_version, patch.vllm_versions):
         return Outcome(patch, SKIPPED, f"vLLM {vllm_version} not in {patch.vllm_versions}")
     try:
@@ -115,6 +145,8 @@ def apply_patch(patch: Patch, vllm_version: str) -> Outcome:
     except (ImportError, AttributeError) as exc:
         return Outcome(patch, SKIPPED, f"target {patch.target} not found: {exc}")
     original = _function_of(raw)
+    if original is None:
+        return Outcome(patch, SKIPPED, f"{patch.target} is a property without a getter")
     if getattr(original, SENTINEL, None) == patch.name:
         return Outcome(patch, ALREADY)
     try:
@@ -127,29 +159,49 @@ def apply_patch(patch: Patch, vllm_version: str) -> Outcome:
             SKIPPED,
             f"{patch.target} takes ({', '.join(found)}), expected ({', '.join(patch.params)})",
         )
+    # Only holders imported already hold a copy to rebind; a holder imported later binds the
+    # replacement itself. Importing holders here would run their import-time code (some read
+    # the device capability then) too early.
     copy_modules = []
     for name in patch.copies:
-        try:
-            mod = sys.modules.get(name) or importlib.import_module(name)
-        except ImportError as exc:
-            return Outcome(patch, SKIPPED, f"copy holder {name} cannot be imported: {exc}")
+        mod = sys.modules.get(name)
+        if mod is None:
+            continue
         held = getattr(mod, attr, None)
         if held is not original and getattr(held, SENTINEL, None) != patch.name:
             return Outcome(patch, SKIPPED, f"{name}.{attr} is not vLLM's original")
         copy_modules.append(mod)
+    try:
+        factory = _load_factory(patch.factory)
+    except (ImportError, AttributeError) as exc:
+        return Outcome(patch, SKIPPED, f"factory {patch.factory} cannot be loaded: {exc}")
+    return _Checked(owner, attr, raw, original, factory, copy_modules)
 
-    replacement = _load_factory(patch.factory)(original)
+
+def check_patch(patch: Patch, vllm_version: str) -> Outcome:
+    """Dry run of :func:`apply_patch`: the same checks, nothing changed.
+
+    READY (``rebound`` lists the copies it would rebind now), ALREADY or SKIPPED with the reason.
+    """
+    checked = _check(patch, vllm_version)
+    if isinstance(checked, Outcome):
+        return checked
+    return Outcome(patch, READY, rebound=[m.__name__ for m in checked.copy_modules])
+
+
+def apply_patch(patch: Patch, vllm_version: str) -> Outcome:
+    """Check everything, then change everything; on any doubt change nothing."""
+    checked = _check(patch, vllm_version)
+    if isinstance(checked, Outcome):
+        return checked
+    original = checked.original
+    replacement = checked.factory(original)
     setattr(replacement, SENTINEL, patch.name)
     replacement.__wrapped__ = original  # type: ignore[attr-defined]
-    stored: object = replacement
-    if isinstance(raw, classmethod):
-        stored = classmethod(replacement)
-    elif isinstance(raw, staticmethod):
-        stored = staticmethod(replacement)
-    setattr(owner, attr, stored)
+    setattr(checked.owner, checked.attr, _stored_form(checked.raw, replacement))
     rebound = []
-    for mod in copy_modules:
-        setattr(mod, attr, replacement)
+    for mod in checked.copy_modules:
+        setattr(mod, checked.attr, replacement)
         rebound.append(mod.__name__)
     return Outcome(patch, APPLIED, rebound=rebound)
 
@@ -162,12 +214,7 @@ def revert_patch(patch: Patch) -> bool:
     if getattr(current, SENTINEL, None) != patch.name:
         return False
     original = current.__wrapped__
-    stored: object = original
-    if isinstance(raw, classmethod):
-        stored = classmethod(original)
-    elif isinstance(raw, staticmethod):
-        stored = staticmethod(original)
-    setattr(owner, attr, stored)
+    setattr(owner, attr, _stored_form(raw, original))
     for name in patch.copies:
         mod = sys.modules.get(name)
         if mod is not None and getattr(mod, attr, None) is current:

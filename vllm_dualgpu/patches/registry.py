@@ -30,10 +30,294 @@ PATCHES: tuple[Patch, ...] = (
         params=("self", "usage_context", "headless"),
         issue="#2",
     ),
+    Patch(
+        name="known-env-vars",
+        target="vllm.envs:validate_environ",
+        processes=(FRONTEND,),
+        vllm_versions=V030,
+        why=(
+            "vLLM warns about (or, with fail_on_environ_validation, refuses) every VLLM_* "
+            "variable it does not know, which would flag VLLM_DUALGPU_RESERVE and the other "
+            "variables of this package in every run. The wrapper hides VLLM_DUALGPU_* from "
+            "that one check; every other variable is checked as before."
+        ),
+        upstream="none (vLLM has no way for plugins to declare environment variables)",
+        remove_when="vLLM lets plugins declare their environment variables",
+        factory="vllm_dualgpu.patches.vllm_envs:wrap_validate_environ",
+        params=("hard_fail",),
+        issue="#3",
+    ),
     # --- memory accounting (issue #3) ---
     # --- per-rank device identity (issue #4) ---
+    Patch(
+        name="capability-per-rank",
+        target="vllm.platforms.cuda:NvmlCudaPlatform.get_device_capability",
+        processes=(WORKER,),
+        vllm_versions=V030,
+        why=(
+            "get_device_capability() defaults to device 0, and has_device_capability, "
+            "is_device_capability(_family) and every kernel's is_supported() call it that way: "
+            "on a mixed pair the second rank selects kernels for the first rank's card. Once "
+            "CUDA is initialised in the worker, device_id=0 means the current device (a visible "
+            "ordinal, as this method takes); vLLM's cache keeps one answer per device."
+        ),
+        upstream="none in vLLM (the same device-0 gates are reported in the 1CatAI/1Cat-vLLM "
+        "fork, issue #412)",
+        remove_when="vLLM's capability queries default to the current device",
+        factory="vllm_dualgpu.platform:wrap_get_device_capability",
+        params=("cls", "device_id"),
+        issue="#4",
+    ),
+    Patch(
+        name="capability-per-rank-nonnvml",
+        target="vllm.platforms.cuda:NonNvmlCudaPlatform.get_device_capability",
+        processes=(WORKER,),
+        vllm_versions=V030,
+        why=(
+            "Same as capability-per-rank for the platform class vLLM uses where NVML is "
+            "unavailable (torch.cuda.get_device_capability(0) on every rank)."
+        ),
+        upstream="none in vLLM",
+        remove_when="vLLM's capability queries default to the current device",
+        factory="vllm_dualgpu.platform:wrap_get_device_capability",
+        params=("cls", "device_id"),
+        issue="#4",
+    ),
+    Patch(
+        name="device-name-per-rank",
+        target="vllm.platforms.cuda:NvmlCudaPlatform.get_device_name",
+        processes=(WORKER,),
+        vllm_versions=V030,
+        why=(
+            "get_device_name() defaults to logical device 0, which names the first rank's card "
+            "on every rank (tuned-config file names, attention heuristics). Once CUDA is "
+            "initialised, device_id=0 names the current device: its visible ordinal is mapped "
+            "back to the logical id of the same physical GPU (assigned_physical_gpu_ids), and "
+            "the answer is cached per device."
+        ),
+        upstream="none in vLLM",
+        remove_when="vLLM's device-name queries default to the current device",
+        factory="vllm_dualgpu.platform:wrap_nvml_get_device_name",
+        params=("cls", "device_id"),
+        issue="#4",
+    ),
+    Patch(
+        name="device-name-per-rank-nonnvml",
+        target="vllm.platforms.cuda:NonNvmlCudaPlatform.get_device_name",
+        processes=(WORKER,),
+        vllm_versions=V030,
+        why=(
+            "Same as device-name-per-rank for the platform class used without NVML, which takes "
+            "a visible ordinal (torch.cuda.get_device_name)."
+        ),
+        upstream="none in vLLM",
+        remove_when="vLLM's device-name queries default to the current device",
+        factory="vllm_dualgpu.platform:wrap_visible_get_device_name",
+        params=("cls", "device_id"),
+        issue="#4",
+    ),
+    Patch(
+        name="config-file-name-per-rank",
+        target="vllm.utils.platform_utils:get_device_name_as_file_name",
+        processes=(WORKER,),
+        vllm_versions=V030,
+        why=(
+            "The card name in tuned-config file names (fused MoE, block FP8, Mamba SSM) comes "
+            "from this @cache'd function with device_id=0, so every rank reads the first rank's "
+            "configs. Once CUDA is initialised it answers for the current device (through the "
+            "device-name patches), cached per device. fused_flydsl_moe also imports it but is "
+            "ROCm-only (it imports aiter) and never loads on CUDA."
+        ),
+        upstream="none in vLLM",
+        remove_when="vLLM names tuned configs by the current device",
+        factory="vllm_dualgpu.platform:wrap_get_device_name_as_file_name",
+        params=("device_id",),
+        copies=(
+            "vllm.model_executor.layers.fused_moe.fused_moe",
+            "vllm.model_executor.layers.quantization.utils.fp8_utils",
+            "vllm.model_executor.layers.mamba.ops.mamba_ssm",
+        ),
+        issue="#4",
+    ),
     # --- Triton FP8 configs (issue #5) ---
+    Patch(
+        name="fp8-configs-per-rank",
+        target="vllm.model_executor.layers.quantization.utils.fp8_utils:get_w8a8_block_fp8_configs",
+        processes=(WORKER,),
+        vllm_versions=V030,
+        why=(
+            "The block-FP8 Triton GEMM reads its tuned configs only from vLLM's own configs/ "
+            "folder (VLLM_TUNED_CONFIG_FOLDER is not honoured there) and by device 0's name on "
+            "every rank. Once CUDA is initialised the lookup (cached per shape and card) names "
+            "the current device and searches the folders in VLLM_DUALGPU_KERNEL_CONFIGS, then "
+            "the package's kernel_configs/, then vLLM's folder; unreadable or unsafe files are "
+            "skipped with a warning. Each rank logs where it searches once and lists every "
+            "shape's source in its summary line (fp8-configs). Before CUDA is initialised it is "
+            "vLLM's function. w8a8_triton_block_scaled_mm looks it up as a module global; no "
+            "module holds a copy."
+        ),
+        upstream="none found (vLLM issue #22619 asks how to provide such files; vLLM PRs "
+        "#47732, #52752 add configs for more cards into vLLM's folder)",
+        remove_when="vLLM looks block-FP8 configs up by the current device and honours a user "
+        "config folder for them",
+        factory="vllm_dualgpu.patches.fp8_utils:wrap_get_w8a8_block_fp8_configs",
+        params=("N", "K", "block_n", "block_k"),
+        issue="#5",
+        optional=True,
+    ),
+    Patch(
+        name="sm89-triton-fp8",
+        target="vllm.model_executor.kernels.linear:choose_scaled_mm_linear_kernel",
+        processes=(WORKER,),
+        vllm_versions=V030,
+        why=(
+            "On SM89 (RTX 40 series, L4, L40) the block-FP8 kernel list "
+            "(_POSSIBLE_FP8_BLOCK_KERNELS) reaches MarlinFP8ScaledMMLinearKernel, which expands "
+            "weights to 16 bit, before TritonFp8BlockScaledMMKernel, which runs native FP8 "
+            "(reference setup, RTX 4070 Ti SUPER: 12-18% faster prefill, +1% per decode step "
+            "with tuned configs). When init_fp8_linear_kernel passes that list and the current "
+            "device is SM89, the wrapper hands vLLM a copy with Triton moved just ahead of "
+            "Marlin; other lists, devices and platforms pass through, so each rank decides by "
+            "its own card when its layers are built. VLLM_DUALGPU_SM89_TRITON_FP8=0 keeps "
+            "vLLM's order; VLLM_DISABLED_KERNELS and --linear-backend still apply. Called as a "
+            "module global; no module holds a copy."
+        ),
+        upstream="vLLM PR #40105 put Marlin ahead of Triton in the list; vLLM issue #58241 "
+        "(CUTLASS block FP8 excludes SM89); the reference setup's patch cites vLLM PR #59232",
+        remove_when="vLLM prefers the Triton block-FP8 kernel over Marlin on SM89",
+        factory="vllm_dualgpu.patches.linear_kernels:wrap_choose_scaled_mm_linear_kernel",
+        params=("config", "possible_kernels", "compute_capability", "force_kernel", "quantization"),
+        issue="#5",
+        optional=True,
+    ),
     # --- speculative decoding under PP (issue #6) ---
+    Patch(
+        name="pp-inflight-batches",
+        target="vllm.config.vllm:VllmConfig.max_concurrent_batches",
+        processes=(ENGINE, WORKER),
+        vllm_versions=V030,
+        why=(
+            "With async scheduling on the V2 model runner, max_concurrent_batches is "
+            "pipeline_parallel_size + 1; with a drafter (MTP) under PP the extra in-flight batch "
+            "can keep both GPUs spinning forever. Under the dualgpu executor with PP > 1 the "
+            "property returns pipeline_parallel_size, enough to fill every stage. The getter is "
+            "patched in EngineCore (batch queue, scheduler) and in workers (V2 runner "
+            "concurrency) and decides from the config, so both sides agree."
+        ),
+        upstream="vLLM issue #53402",
+        remove_when="vLLM caps in-flight batches at pipeline_parallel_size under PP with async "
+        "scheduling (vLLM #53402 fixed)",
+        factory="vllm_dualgpu.patches.config_vllm:wrap_max_concurrent_batches",
+        params=("self",),
+        issue="#6",
+    ),
+    Patch(
+        name="mamba-hit-drop-last-block",
+        target="vllm.v1.core.single_type_kv_cache_manager:MambaManager.find_longest_cache_hit",
+        processes=(ENGINE,),
+        vllm_versions=V030,
+        why=(
+            "With EAGLE/MTP/DFlash the coordinator asks drafter-flagged groups to drop their "
+            "last matched block, and flags every group (Mamba/GDN included) when none is marked "
+            "as the drafter's; MambaManager.find_longest_cache_hit ignores the flag, so a "
+            "prefix-cache hit can restore a recurrent state written over rejected draft tokens. "
+            "When the flag is set, the patch lowers the search ceiling by one unit (one hash "
+            "unit for fine-grained hits, else one Mamba block), as vLLM PR #48375 does."
+        ),
+        upstream="vLLM PR #48375 (open), vLLM issue #43559",
+        remove_when="MambaManager.find_longest_cache_hit honours drop_eagle_block (PR #48375 "
+        "or an equivalent merged)",
+        factory="vllm_dualgpu.patches.single_type_kv_cache_manager:"
+        "wrap_mamba_find_longest_cache_hit",
+        params=(
+            "cls",
+            "block_hashes",
+            "max_length",
+            "kv_cache_group_ids",
+            "block_pool",
+            "kv_cache_spec",
+            "drop_eagle_block",
+            "alignment_tokens",
+            "dcp_world_size",
+            "pcp_world_size",
+        ),
+        issue="#6",
+    ),
+    Patch(
+        name="drafter-shares-target-embed",
+        target="vllm.v1.worker.gpu.spec_decode.eagle.utils:maybe_share_target_embed",
+        processes=(WORKER,),
+        vllm_versions=V030,
+        why=(
+            "Under PP, maybe_share_target_embed returns early for drafters that do not declare "
+            "has_own_embed_tokens (MTP), so the drafter on the last rank keeps its own copy of "
+            "the input embedding although the target holds one on that rank too (+2.4 GiB on "
+            "a 27B Qwen3.5). Under the dualgpu executor the drafter shares the target's "
+            "embedding whenever it exists on the stage, as vLLM does without PP."
+        ),
+        upstream="none known (same code in vLLM 0.33)",
+        remove_when="vLLM shares the target embedding with the drafter under PP",
+        factory="vllm_dualgpu.patches.spec_decode_eagle:wrap_maybe_share_target_embed",
+        params=("draft_model", "draft_inner", "target_inner"),
+        copies=("vllm.v1.worker.gpu.spec_decode.dflash.utils",),
+        issue="#6",
+    ),
+    Patch(
+        name="kv-groups-know-ranks",
+        target="vllm.v1.core.kv_cache_utils:get_kv_cache_configs",
+        processes=(ENGINE,),
+        vllm_versions=V030,
+        why=(
+            "Makes each rank's layers and KV memory known to the grouping below for the "
+            "duration of the call (dualgpu with PP > 1 only); the result is vLLM's own."
+        ),
+        upstream="none",
+        remove_when="kv-groups-without-padding goes",
+        factory="vllm_dualgpu.patches.kv_cache_utils:wrap_get_kv_cache_configs",
+        params=("vllm_config", "kv_cache_specs", "available_memory"),
+        copies=("vllm.v1.engine.core",),
+        issue="#6",
+    ),
+    Patch(
+        name="kv-groups-without-padding",
+        target="vllm.v1.core.kv_cache_utils:_get_kv_cache_groups_uniform_page_size",
+        processes=(ENGINE,),
+        vllm_versions=V030,
+        why=(
+            "vLLM cuts every spec bucket of a hybrid model into groups of the smallest bucket's "
+            "size, so a drafter with its own attention spec (5 DFlash layers) pads the target's "
+            "16 attention layers to 20 and the drafter's rank pays 5 groups x 5 pages per block "
+            "for 13 layers. Under dualgpu with PP > 1 the grouping is chosen among vLLM's and "
+            "groupings capping each group's layers per rank, by vLLM's own measure of the KV "
+            "memory a max_model_len request needs on the tightest rank, never with more groups "
+            "than vLLM's."
+        ),
+        upstream="none known (the grouping heuristic is the same in vLLM 0.33's "
+        "kv_cache_planning.py)",
+        remove_when="vLLM groups hybrid KV caches per PP rank without padding",
+        factory="vllm_dualgpu.patches.kv_cache_utils:wrap_get_kv_cache_groups_uniform_page_size",
+        params=("kv_cache_spec",),
+        issue="#6",
+    ),
+    Patch(
+        name="vision-tower-first-rank-only",
+        target="vllm.model_executor.models.interfaces:SupportsMultiModal._mark_tower_model",
+        processes=(WORKER,),
+        vllm_versions=V030,
+        why=(
+            "Multimodal models build and load their vision tower on every PP rank, though with "
+            "the V2 model runner only the first rank runs it (later ranks have no encoder "
+            "cache or encoder runner). Under dualgpu with PP > 1 and the V2 runner, later "
+            "ranks take the weightless StageMissingLayer path vLLM uses for a modality limited "
+            "to 0 items, so they hold no vision weights; the first rank is unchanged."
+        ),
+        upstream="none known (vLLM 0.33 builds the tower on the first rank only with the V2 "
+        "runner)",
+        remove_when="the supported vLLM builds the vision tower on the first PP rank only",
+        factory="vllm_dualgpu.patches.models_interfaces:wrap_mark_tower_model",
+        params=("self", "vllm_config", "modalities", "targets"),
+        issue="#6",
+    ),
 )
 
 __all__ = ["ENGINE", "FRONTEND", "PATCHES", "WORKER"]

@@ -1,0 +1,144 @@
+"""The executor's plan application on a real VllmConfig, with the GPUs NVML would report faked."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from vllm_dualgpu import apply, envs
+from vllm_dualgpu.gpus import VisibleGpu
+
+GiB = 1024**3
+H200_TOTAL = int(140.4 * GiB)
+
+# Qwen3-14B-class shapes with block-FP8 weights: the model of the GPU benchmark (docs/benchmarks.md).
+Q14_FP8 = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 5120,
+    "intermediate_size": 17408, "num_hidden_layers": 40, "num_attention_heads": 40,
+    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+    "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "rope_theta": 1000000,
+    "torch_dtype": "bfloat16", "tie_word_embeddings": False,
+    "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic",
+                            "weight_block_size": [128, 128]},
+}
+
+
+@pytest.fixture(scope="module")
+def make_config(tmp_path_factory):
+    import vllm.platforms
+    from vllm.platforms.cpu import CpuPlatform
+
+    vllm.platforms._current_platform = CpuPlatform()
+    import vllm_dualgpu
+
+    vllm_dualgpu.register()
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_dualgpu import preflight
+
+    d = tmp_path_factory.mktemp("q14")
+    (d / "config.json").write_text(json.dumps(Q14_FP8))
+
+    def make(**kw):
+        old = preflight.nvml_gpu_count
+        preflight.nvml_gpu_count = lambda: 2
+        try:
+            args = dict(model=str(d), load_format="dummy", skip_tokenizer_init=True,
+                        pipeline_parallel_size=2, distributed_executor_backend="dualgpu",
+                        max_model_len=32768)
+            args.update(kw)
+            cfg = EngineArgs(**args).create_engine_config()
+        finally:
+            preflight.nvml_gpu_count = old
+        # On a GPU machine vLLM resolves the worker to its GPU worker; the plan replaces it.
+        cfg.parallel_config.worker_cls = apply.STOCK_WORKER
+        return cfg
+
+    return make
+
+
+@pytest.fixture(autouse=True)
+def restore_environ():
+    """apply_plan exports variables for the workers it is about to spawn; undo that."""
+    import os
+
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture
+def big_first_pair(monkeypatch):
+    """GPU 0 with 32 GiB free, GPU 1 with 16 GiB free: the big card comes first in PCI order."""
+    gpus = [VisibleGpu(0, "NVIDIA H200", H200_TOTAL, 32 * GiB, (9, 0), 4800.0, "GPU-a"),
+            VisibleGpu(1, "NVIDIA H200", H200_TOTAL, 16 * GiB, (9, 0), 4800.0, "GPU-b")]
+    monkeypatch.setattr(apply, "read_visible_gpus", lambda: gpus)
+    for var in ("VLLM_PP_LAYER_PARTITION", envs.RESERVE, envs.RANK_RESERVES, envs.RANK_CAPS,
+                "CUDA_VISIBLE_DEVICES", envs.PLAN_FILE):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    return gpus
+
+
+def test_big_card_last_and_split_applied(make_config, big_first_pair):
+    import os
+
+    cfg = make_config()
+    applied = apply.apply_plan(cfg)
+    # The 32 GiB card (GPU 0) holds the output head: it must be the last rank.
+    assert cfg.parallel_config.assigned_physical_gpu_ids == [1, 0]
+    split = applied.plan.partition
+    assert os.environ["VLLM_PP_LAYER_PARTITION"] == f"{split[0]},{split[1]}"
+    # The small card gets fewer layers, and the split beats an even one by a wide margin.
+    assert split[0] < split[1] and sum(split) == 40
+    assert cfg.parallel_config.worker_cls == apply.OUR_WORKER
+    assert os.environ[envs.RANK_RESERVES] == f"{envs.DEFAULT_RESERVE_BYTES},{envs.DEFAULT_RESERVE_BYTES}"
+
+
+def test_pool_beats_the_even_split(make_config, big_first_pair, monkeypatch):
+    chosen = apply.apply_plan(make_config()).plan
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "20,20")
+    even = apply.apply_plan(make_config()).plan
+    assert even.partition == [20, 20]
+    assert chosen.num_blocks > 1.5 * even.num_blocks
+
+
+def test_user_partition_wins_and_is_logged(make_config, big_first_pair, monkeypatch, caplog):
+    import os
+
+    caplog.set_level(logging.INFO, logger="vllm.dualgpu")
+    logging.getLogger("vllm.dualgpu").propagate = True
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "16,24")
+    applied = apply.apply_plan(make_config())
+    assert applied.plan.partition == [16, 24]
+    assert os.environ["VLLM_PP_LAYER_PARTITION"] == "16,24"
+    assert any("set by the user: using it as the layer split" in r.getMessage() for r in caplog.records)
+
+
+def test_per_gpu_reserve_follows_the_gpu_not_the_rank(make_config, big_first_pair, monkeypatch):
+    import os
+
+    monkeypatch.setenv(envs.RESERVE, "1GiB,0")  # 1 GiB kept free on GPU 0 (the big one, last rank)
+    apply.apply_plan(make_config())
+    assert os.environ[envs.RANK_RESERVES] == f"0,{GiB}"
+
+
+def test_explicit_utilization_caps_each_rank(make_config, big_first_pair):
+    import os
+
+    apply.apply_plan(make_config(gpu_memory_utilization=0.1))
+    cap = int(0.1 * H200_TOTAL)
+    assert os.environ[envs.RANK_CAPS] == f"{cap},{cap}"
+
+
+def test_plan_file(make_config, big_first_pair, monkeypatch, tmp_path):
+    path = tmp_path / "plan.json"
+    monkeypatch.setenv(envs.PLAN_FILE, str(path))
+    applied = apply.apply_plan(make_config())
+    data = json.loads(path.read_text())
+    assert data["physical_gpu_ids"] == [1, 0]
+    assert data["partition"] == applied.plan.partition
+    assert data["num_blocks"] == applied.plan.num_blocks

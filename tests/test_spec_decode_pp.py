@@ -1,0 +1,593 @@
+"""Speculative decoding under PP (issue #6): each patch on real vLLM objects, stock vs patched.
+
+Every test shows the stock behaviour (vLLM's original, reached through ``__wrapped__`` or by
+reverting the patch) and the patched one, so each fails without its patch.
+"""
+
+from __future__ import annotations
+
+import functools
+import pickle
+import shutil
+import sys
+import types
+
+import pytest
+import torch
+from torch import nn
+
+from vllm_dualgpu.patches.core import ALREADY, APPLIED, SENTINEL, Patch, apply_patch, revert_patch
+from vllm_dualgpu.patches.registry import PATCHES
+from vllm_dualgpu.process import ACTIVE_ENV
+
+from pathlib import Path
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def registry_patch(name: str) -> Patch:
+    return next(p for p in PATCHES if p.name == name)
+
+
+@pytest.fixture(scope="module")
+def vllm_version():
+    import vllm.platforms
+    from vllm.platforms.cpu import CpuPlatform
+
+    vllm.platforms._current_platform = CpuPlatform()
+    import vllm
+
+    return vllm.__version__
+
+
+@pytest.fixture(scope="module")
+def applied(vllm_version):
+    """Apply one registry patch for the module; give vLLM back its original afterwards."""
+    done: list[Patch] = []
+
+    def _apply(name: str) -> Patch:
+        patch = registry_patch(name)
+        outcome = apply_patch(patch, vllm_version)
+        assert outcome.status in (APPLIED, ALREADY), outcome.reason
+        done.append(patch)
+        return patch
+
+    yield _apply
+    for patch in done:
+        revert_patch(patch)
+
+
+@pytest.fixture
+def active(monkeypatch):
+    monkeypatch.setenv(ACTIVE_ENV, "1")
+
+
+# --- core: property targets -------------------------------------------------------------------
+
+
+def test_property_getter_is_wrapped_and_reverted(monkeypatch):
+    mod = types.ModuleType("fake_prop_target")
+    exec(
+        "class C:\n"
+        "    def __init__(self):\n        self._v = 3\n"
+        "    @property\n    def v(self):\n        '''doc'''\n        return self._v\n"
+        "    @v.setter\n    def v(self, value):\n        self._v = value\n",
+        mod.__dict__,
+    )
+    factories = types.ModuleType("fake_prop_factories")
+
+    def plus_ten(original):
+        @functools.wraps(original)
+        def getter(self):
+            return original(self) + 10
+
+        return getter
+
+    factories.plus_ten = plus_ten
+    monkeypatch.setitem(sys.modules, "fake_prop_target", mod)
+    monkeypatch.setitem(sys.modules, "fake_prop_factories", factories)
+    p = Patch(
+        name="prop",
+        target="fake_prop_target:C.v",
+        processes=("engine",),
+        vllm_versions=">=0.30.0,<0.31",
+        why="w",
+        upstream="u",
+        remove_when="r",
+        factory="fake_prop_factories:plus_ten",
+        params=("self",),
+    )
+    obj = mod.C()
+    assert apply_patch(p, "0.30.0").status == APPLIED
+    raw = vars(mod.C)["v"]
+    assert isinstance(raw, property) and raw.__doc__ == "doc"
+    assert obj.v == 13
+    obj.v = 5  # the setter survives
+    assert obj.v == 15
+    assert apply_patch(p, "0.30.0").status == ALREADY and obj.v == 15
+    assert revert_patch(p) and isinstance(vars(mod.C)["v"], property) and obj.v == 5
+
+
+# --- item 2: in-flight batches under PP -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pp_configs(vllm_version, tmp_path_factory):
+    """Real VllmConfigs of a tiny Qwen3 with PP=2 (dualgpu and mp) and PP=1 (dualgpu)."""
+    from vllm_dualgpu.patches.arg_utils import wrap_create_engine_config
+    from vllm.engine.arg_utils import EngineArgs
+
+    d = tmp_path_factory.mktemp("tiny-qwen3")
+    shutil.copy(FIXTURES / "tiny_qwen3.json", d / "config.json")
+    create = getattr(EngineArgs.create_engine_config, "__wrapped__", None)
+    create = wrap_create_engine_config(create or EngineArgs.create_engine_config)
+
+    def make(backend, pp):
+        args = EngineArgs(
+            model=str(d),
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            pipeline_parallel_size=pp,
+            distributed_executor_backend=backend,
+        )
+        cfg = create(args)
+        # vLLM's CPU platform turns async scheduling off; on GPUs it is on by default for
+        # an executor that supports it (MultiprocExecutor and its dualgpu subclass do).
+        cfg.scheduler_config.async_scheduling = True
+        return cfg
+
+    return {"dualgpu": make("dualgpu", 2), "mp": make("mp", 2), "dualgpu-pp1": make("dualgpu", 1)}
+
+
+def test_inflight_batches_capped_at_pp_size(applied, pp_configs, monkeypatch):
+    from vllm.config import VllmConfig
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    applied("pp-inflight-batches")
+    stock = VllmConfig.max_concurrent_batches.fget.__wrapped__
+    cfg = pp_configs["dualgpu"]
+    assert cfg.use_v2_model_runner and cfg.scheduler_config.async_scheduling
+    assert stock(cfg) == 3  # vLLM 0.30: pp_size + 1
+    assert cfg.max_concurrent_batches == 2
+    # Workers unpickle the config and read the same property.
+    assert pickle.loads(pickle.dumps(cfg)).max_concurrent_batches == 2
+    # max_in_flight_tokens derives from it (scheduler reservations).
+    assert cfg.max_in_flight_tokens == 2 * cfg.scheduler_config.max_num_batched_tokens
+
+
+def test_inflight_batches_stock_elsewhere(applied, pp_configs, monkeypatch):
+    from vllm.config import VllmConfig
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    applied("pp-inflight-batches")
+    stock = VllmConfig.max_concurrent_batches.fget.__wrapped__
+    for key in ("mp", "dualgpu-pp1"):
+        cfg = pp_configs[key]
+        assert cfg.max_concurrent_batches == stock(cfg), key
+    cfg = pp_configs["dualgpu"]
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")  # V1 runner: vLLM returns pp_size
+    assert cfg.max_concurrent_batches == stock(cfg) == 2
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    cfg.scheduler_config.async_scheduling = False
+    try:
+        assert cfg.max_concurrent_batches == stock(cfg) == 2
+    finally:
+        cfg.scheduler_config.async_scheduling = True
+
+
+def test_inflight_batches_revert_restores_stock(vllm_version, pp_configs, monkeypatch):
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    patch = registry_patch("pp-inflight-batches")
+    assert apply_patch(patch, vllm_version).status in (APPLIED, ALREADY)
+    assert pp_configs["dualgpu"].max_concurrent_batches == 2
+    assert revert_patch(patch)
+    assert pp_configs["dualgpu"].max_concurrent_batches == 3
+
+
+# --- item 6: Mamba/GDN prefix-cache hits and the drop-last-block rule --------------------------
+
+
+def mamba_spec(block_size: int):
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return MambaSpec(
+        block_size=block_size,
+        shapes=((2, 4), (2, 4, 4)),
+        dtypes=(torch.bfloat16, torch.bfloat16),
+        mamba_cache_mode="align",
+    )
+
+
+def cached_pool(hash_block_size: int, cached_units: list[int], num_units: int):
+    """A real BlockPool whose group 0 caches a state at the end of each unit in cached_units."""
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    pool = BlockPool(num_gpu_blocks=64, enable_caching=True, hash_block_size=hash_block_size)
+    hashes = [bytes([i]) * 32 for i in range(num_units)]
+    for unit, block in zip(cached_units, pool.get_new_blocks(len(cached_units))):
+        pool.cached_block_hash_to_block.insert(make_block_hash_with_group_id(hashes[unit], 0), block)
+    return pool, hashes
+
+
+def find(manager_cls, hashes, pool, spec, drop, max_length, alignment):
+    blocks, hit = manager_cls.find_longest_cache_hit(
+        block_hashes=hashes,
+        max_length=max_length,
+        kv_cache_group_ids=[0],
+        block_pool=pool,
+        kv_cache_spec=spec,
+        drop_eagle_block=drop,
+        alignment_tokens=alignment,
+    )
+    return hit, blocks
+
+
+def test_mamba_hit_drops_last_block(applied, active):
+    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+
+    applied("mamba-hit-drop-last-block")
+    stock = MambaManager.find_longest_cache_hit.__func__.__wrapped__
+    bs = 16
+    spec = mamba_spec(bs)
+    # States cached at the end of blocks 1, 3 and 4 (tokens 32, 64, 80); 6 blocks hashed.
+    pool, hashes = cached_pool(bs, [1, 3, 4], 6)
+    max_length = 6 * bs - 1
+
+    _, stock_hit = stock(MambaManager, hashes, max_length, [0], pool, spec, True, bs)
+    assert stock_hit == 80  # vLLM 0.30 ignores drop_eagle_block
+    hit, blocks = find(MambaManager, hashes, pool, spec, True, max_length, bs)
+    assert hit == 64  # the block ending at the ceiling (80) is excluded
+    assert len(blocks[0]) == 4 and blocks[0][-1].block_id != pool.null_block.block_id
+    # The candidate ceiling the coordinator passes after its own drop: exactly one block off.
+    assert find(MambaManager, hashes, pool, spec, True, 64, bs)[0] == 32
+    # Without the flag nothing changes.
+    assert find(MambaManager, hashes, pool, spec, False, max_length, bs)[0] == 80
+
+
+def test_mamba_fine_grained_hit_drops_one_hash_unit(applied, active):
+    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+
+    applied("mamba-hit-drop-last-block")
+    stock = MambaManager.find_longest_cache_hit.__func__.__wrapped__
+    unit, bs = 8, 32
+    spec = mamba_spec(bs)
+    pool, hashes = cached_pool(unit, [5, 6], 12)  # states after 48 and 56 tokens
+    _, stock_hit = stock(MambaManager, hashes, 7 * unit, [0], pool, spec, True, unit)
+    assert stock_hit == 56
+    assert find(MambaManager, hashes, pool, spec, True, 7 * unit, unit)[0] == 48
+    assert find(MambaManager, hashes, pool, spec, False, 7 * unit, unit)[0] == 56
+
+
+def test_mamba_drop_is_stock_without_dualgpu(applied, monkeypatch):
+    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+
+    applied("mamba-hit-drop-last-block")
+    monkeypatch.delenv(ACTIVE_ENV, raising=False)
+    spec = mamba_spec(16)
+    pool, hashes = cached_pool(16, [1, 3, 4], 6)
+    assert find(MambaManager, hashes, pool, spec, True, 95, 16)[0] == 80
+
+
+def test_hybrid_coordinator_hit_with_drafter(applied, active, vllm_version):
+    """The whole lookup of a hybrid model (full attention + GDN) with MTP, stock vs patched."""
+    from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    bs = 16
+    attn = FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=8, dtype=torch.bfloat16)
+    groups = [
+        KVCacheGroupSpec(["attn.0", "mtp.attn"], attn),
+        KVCacheGroupSpec(["gdn.0", "gdn.1"], mamba_spec(bs)),
+    ]
+    config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
+
+    def coordinator():
+        return HybridKVCacheCoordinator(
+            kv_cache_config=config,
+            max_model_len=1024,
+            max_in_flight_tokens=256,
+            use_eagle=True,  # MTP: no group is marked as the drafter's, so all are flagged
+            enable_caching=True,
+            enable_kv_cache_events=False,
+            dcp_world_size=1,
+            pcp_world_size=1,
+            scheduler_block_size=bs,
+            hash_block_size=bs,
+            metrics_collector=None,
+        )
+
+    def lookup():
+        coord = coordinator()
+        pool = coord.block_pool
+        hashes = [bytes([i]) * 32 for i in range(8)]
+        fa = pool.get_new_blocks(6)
+        for i, block in enumerate(fa):  # attention blocks 0..5 cached
+            pool.cached_block_hash_to_block.insert(make_block_hash_with_group_id(hashes[i], 0), block)
+        for i, block in zip((2, 4), pool.get_new_blocks(2)):  # GDN states after 48 and 80 tokens
+            pool.cached_block_hash_to_block.insert(make_block_hash_with_group_id(hashes[i], 1), block)
+        return coord.find_longest_cache_hit(hashes, 8 * bs - 1)[1]
+
+    patched = lookup()
+    revert_patch(registry_patch("mamba-hit-drop-last-block"))
+    try:
+        stock = lookup()
+    finally:
+        assert apply_patch(registry_patch("mamba-hit-drop-last-block"), vllm_version).status == APPLIED
+    # Attention matches 6 blocks and drops one (80 tokens). Stock vLLM then takes the GDN state
+    # at 80 tokens; the patch excludes that boundary and resumes from the state at 48.
+    assert stock == 80
+    assert patched == 48
+
+
+# --- item 1: the drafter shares the target's embedding under PP --------------------------------
+
+
+class FakeDraft(nn.Module):
+    """Stands in for an MTP drafter: ``.model.embed_tokens``, no has_own_embed_tokens."""
+
+    def __init__(self, vocab=32, hidden=8):
+        super().__init__()
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(vocab, hidden)
+
+
+@pytest.fixture
+def pp_group(monkeypatch):
+    """A two-stage PP group seen from the last rank (the drafter lives there)."""
+    from vllm.distributed import parallel_state
+
+    group = types.SimpleNamespace(world_size=2, rank_in_group=1, is_first_rank=False, is_last_rank=True)
+    monkeypatch.setattr(parallel_state, "_PP", group)
+    return group
+
+
+def test_drafter_shares_target_embedding_under_pp(applied, active, pp_group):
+    from vllm.v1.worker.gpu.spec_decode.dflash import utils as dflash_utils
+    from vllm.v1.worker.gpu.spec_decode.eagle import utils as eagle_utils
+
+    patch = applied("drafter-shares-target-embed")
+    share = eagle_utils.maybe_share_target_embed
+    assert getattr(share, SENTINEL) == patch.name
+    assert dflash_utils.maybe_share_target_embed is share  # the from-import copy is rebound
+
+    target_inner = nn.Module()
+    target_inner.embed_tokens = nn.Embedding(32, 8)
+
+    stock_draft = FakeDraft()
+    own = stock_draft.model.embed_tokens
+    share.__wrapped__(stock_draft, stock_draft.model, target_inner)
+    assert stock_draft.model.embed_tokens is own  # vLLM 0.30 keeps the drafter's own copy
+
+    draft = FakeDraft()
+    share(draft, draft.model, target_inner)
+    assert draft.model.embed_tokens is target_inner.embed_tokens
+    params = {id(p) for p in draft.parameters()} | {id(p) for p in target_inner.parameters()}
+    assert len(params) == 1  # one embedding weight left for target and drafter
+
+
+def test_drafter_keeps_its_embedding_when_the_stage_has_none(applied, active, pp_group):
+    from vllm.model_executor.models.utils import PPMissingLayer
+    from vllm.v1.worker.gpu.spec_decode.eagle import utils as eagle_utils
+
+    applied("drafter-shares-target-embed")
+    target_inner = nn.Module()
+    target_inner.embed_tokens = PPMissingLayer()
+    draft = FakeDraft()
+    own = draft.model.embed_tokens
+    eagle_utils.maybe_share_target_embed(draft, draft.model, target_inner)  # no RuntimeError
+    assert draft.model.embed_tokens is own
+
+
+def test_drafter_embedding_stock_without_dualgpu_or_with_own_flag(applied, pp_group, monkeypatch):
+    from vllm.v1.worker.gpu.spec_decode.eagle import utils as eagle_utils
+
+    applied("drafter-shares-target-embed")
+    target_inner = nn.Module()
+    target_inner.embed_tokens = nn.Embedding(32, 8)
+    monkeypatch.delenv(ACTIVE_ENV, raising=False)
+    draft = FakeDraft()
+    own = draft.model.embed_tokens
+    eagle_utils.maybe_share_target_embed(draft, draft.model, target_inner)
+    assert draft.model.embed_tokens is own
+    # A drafter that trained its own embedding keeps it under dualgpu too (vLLM's rule).
+    monkeypatch.setenv(ACTIVE_ENV, "1")
+    trained = FakeDraft()
+    trained.has_own_embed_tokens = True
+    own = trained.model.embed_tokens
+    eagle_utils.maybe_share_target_embed(trained, trained.model, target_inner)
+    assert trained.model.embed_tokens is own
+
+
+# --- item 7: hybrid KV cache groups without padding under PP ----------------------------------
+
+
+def hybrid_rank_specs(drafter_layers: int, drafter_same_spec: bool):
+    """Per-rank KV specs shaped like the reference 27B (64 layers, every 4th full attention,
+    GDN elsewhere, split 32/32) plus drafter layers on the last rank. Pages are equal, as
+    vLLM's platform makes them for hybrid models (Mamba page padded to the attention page)."""
+    import dataclasses
+
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    bs = 64
+    attn = FullAttentionSpec(block_size=bs, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    gdn = dataclasses.replace(mamba_spec(bs), page_size_padded=attn.page_size_bytes)
+    # A drafter spec that differs from the target's but has the same page (e.g. DFlash).
+    draft = attn if drafter_same_spec else FullAttentionSpec(
+        block_size=bs, num_kv_heads=4, head_size=32, dtype=torch.bfloat16
+    )
+    assert draft.page_size_bytes == attn.page_size_bytes == gdn.page_size_bytes
+    ranks: list[dict] = [{}, {}]
+    for i in range(64):
+        kind = attn if (i + 1) % 4 == 0 else gdn
+        ranks[i // 32][f"model.layers.{i}.{'attn' if kind is attn else 'gdn'}"] = kind
+    for j in range(drafter_layers):
+        ranks[1][f"draft.layers.{j}.attn"] = draft
+    return ranks, attn.page_size_bytes
+
+
+def kv_plan(cfg, ranks, memory):
+    from vllm.v1.core import kv_cache_utils as ku
+
+    configs = ku.get_kv_cache_configs(cfg, [dict(r) for r in ranks], [memory, memory])
+    # The global groups: each rank's config holds the same groups projected onto its layers.
+    groups = [
+        (sorted(a.layer_names + b.layer_names), a.kv_cache_spec)
+        for a, b in zip(configs[0].kv_cache_groups, configs[1].kv_cache_groups)
+    ]
+    per_rank_bytes = [ku._get_kv_cache_bytes_per_block(c.kv_cache_groups) for c in configs]
+    need = max(
+        ku._max_memory_usage_bytes_from_groups(cfg, c.kv_cache_groups) for c in configs
+    )
+    return groups, per_rank_bytes, configs[0].num_blocks, need
+
+
+@pytest.fixture
+def kv_layout(pp_configs):
+    for cfg in pp_configs.values():
+        cfg.cache_config.kv_cache_layout = "LBNHC"  # resolved by EngineCore from the backends
+    return pp_configs
+
+
+def test_kv_groups_without_padding_for_a_drafter_bucket(applied, kv_layout, vllm_version):
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    applied("kv-groups-know-ranks")
+    patch = applied("kv-groups-without-padding")
+    cfg = kv_layout["dualgpu"]
+    ranks, page = hybrid_rank_specs(drafter_layers=5, drafter_same_spec=False)
+    memory = 4 * 2**30
+
+    patched, patched_bpb, patched_blocks, patched_need = kv_plan(cfg, ranks, memory)
+    assert revert_patch(patch)
+    try:
+        stock, stock_bpb, stock_blocks, stock_need = kv_plan(cfg, ranks, memory)
+    finally:
+        assert apply_patch(patch, vllm_version).status == APPLIED
+
+    def attention_sizes(groups):
+        return sorted(len(names) for names, spec in groups if not isinstance(spec, MambaSpec))
+
+    # vLLM 0.30: group size 5 (the drafter bucket): 16 attention layers in 4 groups of 4, each
+    # block sized for 5 layers; the drafter's rank pays 5 pages per block.
+    assert attention_sizes(stock) == [4, 4, 4, 4, 5]
+    assert stock_bpb[1] == 5 * page
+    # Patched: every layer in exactly one group, no more groups than vLLM, less memory for a
+    # max_model_len request on the tightest rank, more blocks for the same memory.
+    names = [n for group, _ in patched for n in group]
+    assert sorted(names) == sorted(n for r in ranks for n in r)
+    assert len(patched) <= len(stock)
+    assert patched_need < stock_need
+    assert patched_blocks > stock_blocks
+    assert max(patched_bpb) < max(stock_bpb)
+
+
+def test_kv_groups_unchanged_when_vllm_has_no_padding(applied, kv_layout):
+    """Qwen3.5 + MTP: the MTP layer shares the target's attention spec; vLLM's grouping is
+    already exact (one attention group of 17, GDN groups of 16), so the patch keeps it."""
+    from vllm.v1.core import kv_cache_utils as ku
+
+    applied("kv-groups-know-ranks")
+    applied("kv-groups-without-padding")
+    ranks, page = hybrid_rank_specs(drafter_layers=1, drafter_same_spec=True)
+    patched, bpb, _, _ = kv_plan(kv_layout["dualgpu"], ranks, 2**30)
+    stock = ku._get_kv_cache_groups_uniform_page_size.__wrapped__(
+        {n: s for r in ranks for n, s in r.items()}
+    )
+    assert [names for names, _ in patched] == [sorted(g.layer_names) for g in stock]
+    assert sorted(len(names) for names, _ in patched) == [16, 16, 16, 17]
+    assert bpb == [8 * page, 9 * page]  # exactly the attention layers each rank holds
+
+
+def test_kv_groups_stock_for_other_executors(applied, kv_layout):
+    from vllm.v1.core import kv_cache_utils as ku
+
+    applied("kv-groups-know-ranks")
+    applied("kv-groups-without-padding")
+    ranks, _ = hybrid_rank_specs(drafter_layers=5, drafter_same_spec=False)
+    groups, _, _, _ = kv_plan(kv_layout["mp"], ranks, 2**30)
+    stock = ku._get_kv_cache_groups_uniform_page_size.__wrapped__(
+        {n: s for r in ranks for n, s in r.items()}
+    )
+    assert [names for names, _ in groups] == [sorted(g.layer_names) for g in stock]
+
+
+# --- item 3: the vision tower only on the first PP rank ----------------------------------------
+
+
+def toy_vl_class():
+    """A multimodal model built the way vLLM's Qwen3-VL/Qwen3.5 build theirs."""
+    from vllm.model_executor.models.interfaces import SupportsMultiModal
+
+    class ToyVL(nn.Module, SupportsMultiModal):
+        def __init__(self, vllm_config):
+            super().__init__()
+            with self._mark_tower_model(vllm_config, {"image", "video"}):
+                self.visual = nn.Linear(64, 64)
+            self.lm = nn.Linear(8, 8)
+
+    return ToyVL
+
+
+def vl_config(pp_config, limit: int | None = None):
+    from vllm.config.multimodal import MultiModalConfig
+
+    mm = MultiModalConfig(limit_per_prompt={} if limit is None else {"image": limit, "video": limit})
+    model_config = types.SimpleNamespace(get_multimodal_config=lambda: mm)
+    return types.SimpleNamespace(
+        model_config=model_config,
+        parallel_config=pp_config.parallel_config,
+        use_v2_model_runner=True,
+    )
+
+
+@pytest.mark.parametrize("first_rank", [False, True])
+def test_vision_tower_only_on_the_first_rank(applied, pp_configs, monkeypatch, first_rank):
+    from vllm.distributed import parallel_state
+    from vllm.model_executor.models.interfaces import SupportsMultiModal
+    from vllm.model_executor.models.utils import StageMissingLayer
+
+    patch = applied("vision-tower-first-rank-only")
+    group = types.SimpleNamespace(world_size=2, is_first_rank=first_rank, is_last_rank=not first_rank)
+    monkeypatch.setattr(parallel_state, "_PP", group)
+    ToyVL = toy_vl_class()
+    cfg = vl_config(pp_configs["dualgpu"])
+
+    model = ToyVL(cfg)
+    vision_params = sum(p.numel() for n, p in model.named_parameters() if n.startswith("visual"))
+    if first_rank:
+        assert isinstance(model.visual, nn.Linear) and vision_params == 64 * 64 + 64
+    else:
+        assert isinstance(model.visual, StageMissingLayer) and vision_params == 0
+        assert model.visual.stage_name == "vision_tower"
+    assert model._tower_model_names == ["visual"]
+
+    # vLLM 0.30 builds the tower on every rank.
+    assert revert_patch(patch)
+    try:
+        stock = ToyVL(cfg)
+        assert isinstance(stock.visual, nn.Linear)
+        assert isinstance(vars(SupportsMultiModal)["_mark_tower_model"], types.FunctionType)
+    finally:
+        import vllm
+
+        assert apply_patch(patch, vllm.__version__).status == APPLIED
+
+
+def test_vision_tower_stock_for_other_executors_and_disabled_modalities(applied, pp_configs, monkeypatch):
+    from vllm.distributed import parallel_state
+    from vllm.model_executor.models.utils import StageMissingLayer
+
+    applied("vision-tower-first-rank-only")
+    group = types.SimpleNamespace(world_size=2, is_first_rank=False, is_last_rank=True)
+    monkeypatch.setattr(parallel_state, "_PP", group)
+    ToyVL = toy_vl_class()
+    assert isinstance(ToyVL(vl_config(pp_configs["mp"])).visual, nn.Linear)
+    v1 = vl_config(pp_configs["dualgpu"])
+    v1.use_v2_model_runner = False  # the V1 runner may run the encoder on any rank
+    assert isinstance(ToyVL(v1).visual, nn.Linear)
+    # vLLM's own rule still applies: no images or videos, no tower, on every rank.
+    monkeypatch.setattr(group, "is_first_rank", True)
+    assert isinstance(ToyVL(vl_config(pp_configs["dualgpu"], limit=0)).visual, StageMissingLayer)

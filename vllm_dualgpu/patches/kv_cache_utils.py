@@ -1,0 +1,155 @@
+"""Patches of ``vllm.v1.core.kv_cache_utils``: KV cache groups of a hybrid model with a drafter
+under PP, without padding.
+
+vLLM 0.30 groups layers with equal page sizes by ``_get_kv_cache_groups_uniform_page_size``:
+every spec bucket is cut into groups of one size, the smallest bucket (the "1" of an n:1 layer
+pattern). A drafter with its own attention spec is such a bucket: a 5-layer DFlash drafter next
+to a Qwen3.5 target (16 attention, 48 Gated DeltaNet layers) makes the group size 5, the 16
+attention layers become 4 groups of 4 padded to 5 (20 layer slots), and the last PP rank, which
+holds the drafter, pays 5 token-scaling groups x 5 pages per block for 13 layers. The grouping
+also ignores which PP rank holds which layer, though every rank allocates one block per group.
+
+Under the dualgpu executor with PP > 1, ``get_kv_cache_configs`` (which knows every rank's
+layers and memory) records them for the duration of the call, and the grouping then picks,
+among vLLM's own grouping and groupings that cap the layers any group holds on any one rank
+(1, 2, ... per rank, layers interleaved across ranks as vLLM does), the one whose longest
+request (``max_model_len``) needs the smallest share of the tightest rank's KV memory,
+measured with vLLM's own ``_max_memory_usage_bytes_from_groups`` on each rank's projection.
+Candidates with more groups than vLLM's own grouping are not considered (every group costs
+scheduler and attention-metadata work each step); on a tie vLLM's grouping wins, then fewer
+groups. A model whose buckets already divide evenly (e.g. Qwen3.5 with MTP, whose drafter layer
+shares the target's attention spec) keeps vLLM's grouping, since nothing beats it.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import math
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from vllm_dualgpu.log import logger
+from vllm_dualgpu.patches.spec_common import is_dualgpu_pp
+
+
+@dataclass(frozen=True)
+class _Workers:
+    vllm_config: object
+    specs: tuple[dict, ...]
+    memory: tuple[int, ...]
+
+
+_WORKERS: contextvars.ContextVar[_Workers | None] = contextvars.ContextVar(
+    "vllm_dualgpu_kv_workers", default=None
+)
+
+
+def wrap_get_kv_cache_configs(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def get_kv_cache_configs(vllm_config, kv_cache_specs, available_memory):
+        if not is_dualgpu_pp(vllm_config) or len(kv_cache_specs) < 2:
+            return original(vllm_config, kv_cache_specs, available_memory)
+        token = _WORKERS.set(
+            _Workers(vllm_config, tuple(dict(s) for s in kv_cache_specs), tuple(available_memory))
+        )
+        try:
+            return original(vllm_config, kv_cache_specs, available_memory)
+        finally:
+            _WORKERS.reset(token)
+
+    return get_kv_cache_configs
+
+
+def spec_buckets(kv_cache_spec: dict) -> list[list[str]]:
+    """Layers grouped by mergeable spec, exactly as vLLM 0.30's uniform-page-size grouping."""
+    same_type_layers: dict = defaultdict(list)
+    for layer_name, layer_spec in kv_cache_spec.items():
+        same_type_layers[layer_spec].append(layer_name)
+    layer_buckets: list[list[str]] = []
+    spec_buckets_: list[list] = []
+    for layer_spec, layer_names in same_type_layers.items():
+        for names, specs in zip(layer_buckets, spec_buckets_):
+            try:
+                type(specs[0]).merge([*specs, layer_spec])
+            except (AssertionError, ValueError):
+                continue
+            names.extend(layer_names)
+            specs.append(layer_spec)
+            break
+        else:
+            layer_buckets.append(list(layer_names))
+            spec_buckets_.append([layer_spec])
+    return layer_buckets
+
+
+def capped_grouping(buckets: list[list[str]], worker_layers: list[set], cap: int) -> list[list[str]]:
+    """Cut each bucket into the fewest groups holding at most ``cap`` layers on any one rank.
+
+    A bucket's layers come rank by rank (the merged spec is built worker by worker), so the
+    interleave ``layers[i::n]`` that vLLM uses puts at most ceil(count_on_rank / n) layers of
+    each rank into each group.
+    """
+    grouped: list[list[str]] = []
+    for layers in buckets:
+        per_rank = [sum(1 for name in layers if name in w) for w in worker_layers]
+        n = max(1, max(math.ceil(c / cap) for c in per_rank))
+        n = min(n, len(layers))
+        grouped.extend(layers[i::n] for i in range(n))
+    return grouped
+
+
+def grouping_cost(kv_cache_groups: list, workers: _Workers) -> float:
+    """Share of the tightest rank's KV memory one max_model_len request needs (vLLM's measure)."""
+    from vllm.v1.core import kv_cache_utils as ku
+
+    worst = 0.0
+    for spec, memory in zip(workers.specs, workers.memory):
+        projected = ku._project_kv_cache_groups_to_worker(kv_cache_groups, spec)
+        if not any(g.layer_names for g in projected):
+            continue
+        need = ku._max_memory_usage_bytes_from_groups(workers.vllm_config, projected)
+        worst = max(worst, need / max(memory, 1))
+    return worst
+
+
+def choose_grouping(stock: list, kv_cache_spec: dict, workers: _Workers) -> list:
+    from vllm.v1.core.kv_cache_utils import create_kv_cache_group_specs
+
+    buckets = spec_buckets(kv_cache_spec)
+    worker_layers = [set(s) for s in workers.specs]
+    if any(not any(name in w for w in worker_layers) for b in buckets for name in b):
+        return stock  # a layer no rank reports: do not guess
+    most = max(max(sum(1 for n in b if n in w) for w in worker_layers) for b in buckets)
+    candidates = [(grouping_cost(stock, workers), 0, len(stock), stock)]
+    for cap in range(1, most + 1):
+        grouped = capped_grouping(buckets, worker_layers, cap)
+        if len(grouped) > len(stock):
+            continue
+        groups = create_kv_cache_group_specs(kv_cache_spec, grouped)
+        candidates.append((grouping_cost(groups, workers), 1, len(groups), groups))
+    cost, _, _, best = min(candidates, key=lambda c: (round(c[0], 12), c[1], c[2]))
+    if best is not stock:
+        stock_cost = candidates[0][0]
+        logger.info(
+            "vllm-dualgpu: KV cache groups %s instead of vLLM's %s (layers per group); a "
+            "max_model_len request needs %.1f%% instead of %.1f%% of the tightest rank's KV memory",
+            [len(g.layer_names) for g in best],
+            [len(g.layer_names) for g in stock],
+            100 * cost,
+            100 * stock_cost,
+        )
+    return best
+
+
+def wrap_get_kv_cache_groups_uniform_page_size(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def _get_kv_cache_groups_uniform_page_size(kv_cache_spec):
+        stock = original(kv_cache_spec)
+        workers = _WORKERS.get()
+        if workers is None or len(stock) < 2:
+            return stock
+        return choose_grouping(stock, kv_cache_spec, workers)
+
+    return _get_kv_cache_groups_uniform_page_size

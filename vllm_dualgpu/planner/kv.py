@@ -1,0 +1,376 @@
+"""KV-cache arithmetic, mirroring vLLM 0.30 (``vllm/v1/core/kv_cache_utils.py``).
+
+What vLLM does, and what this module reproduces without importing it:
+
+* Every attention layer has a page of ``block_size x num_kv_heads x (head_dim + head_dim) x
+  dtype bytes`` (``FullAttentionSpec``); a Gated DeltaNet layer has one state page: conv state
+  ``conv_dim x (kernel - 1 + num_speculative_tokens)`` plus the recurrent state
+  ``num_v_heads x v_head_dim x k_head_dim`` (``MambaSpec``).
+* Hybrid models: before the specs are built, ``Platform._align_hybrid_block_size`` raises the
+  attention block size to ``align * cdiv(mamba_page, align * attention_bytes_per_token)`` and
+  pads the mamba page to the attention page. Drafter layers with another page size are then
+  unified by ``unify_kv_cache_spec_page_size`` (integer block-size ratio, else padding).
+* Grouping (``get_kv_cache_groups``): one group when every layer has the same spec (or the
+  same type, ``UniformTypeKVCacheSpecs``); otherwise layers are bucketed by spec, the group
+  size is the smallest bucket (or the largest when it is < 1.5x the smallest), and bucket
+  ``b`` is split into ``cdiv(len(b), size)`` groups ``b[i::n]``. Groups alias the same memory.
+* Per pipeline rank, one block costs the largest group's page bytes among that rank's layers
+  (``_get_kv_cache_bytes_per_block`` after ``_project_kv_cache_groups_to_worker``); the rank
+  holds ``available // bytes_per_block`` blocks, and every rank then uses the minimum.
+* A request of ``L`` tokens needs ``cdiv(L, block_size)`` blocks per attention group plus
+  ``1 + num_speculative_tokens`` (``2 + ...`` with prefix caching, mamba "align" mode) per
+  mamba group; one block is the pool's null block.
+
+This follows the default layer-major KV layout (``LBNHC``) that FlashAttention and FlashInfer
+resolve to on CUDA; block-outermost layouts pack mixed page sizes differently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm_dualgpu.planner.errors import BadRequest, UnsupportedModel
+from vllm_dualgpu.planner.formats import cdiv
+from vllm_dualgpu.planner.model import FULL, LINEAR, DrafterSpec, ModelSpec
+
+#: vLLM's ``CacheConfig.DEFAULT_BLOCK_SIZE``, and what FlashAttention/FlashInfer prefer.
+DEFAULT_BLOCK_SIZE = 16
+#: Smallest kernel block of FlashAttention (``MultipleOf(16)``) and FlashInfer (``[16, 32, 64]``).
+DEFAULT_KERNEL_BLOCK_ALIGNMENT = 16
+
+_KV_DTYPE_BYTES = {
+    "bfloat16": 2,
+    "float16": 2,
+    "half": 2,
+    "float32": 4,
+    "float": 4,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+    "fp8_inc": 1,
+    "int8": 1,
+}
+
+
+def dtype_bytes(kv_cache_dtype: str, model_dtype: str) -> int:
+    """Bytes per element of a KV-cache dtype name (``"auto"`` means the model dtype)."""
+    d = (kv_cache_dtype or "auto").lower()
+    if d == "auto":
+        d = (model_dtype or "bfloat16").lower().replace("torch.", "")
+    try:
+        return _KV_DTYPE_BYTES[d]
+    except KeyError:
+        raise UnsupportedModel(
+            f"the planner does not size --kv-cache-dtype {kv_cache_dtype!r}; use auto, bfloat16, "
+            "float16 or fp8"
+        ) from None
+
+
+@dataclass(frozen=True)
+class KVSlot:
+    """One layer's KV-cache page, as vLLM's spec for it ends up after page-size unification."""
+
+    name: str
+    kind: str  # "attention" or "mamba"
+    layer_index: int | None  # target decoder layer; None for drafter layers (last rank)
+    page_bytes: int
+    tokens_per_block: int  # attention: block size of this layer's spec; mamba: 0
+    spec_key: tuple
+    real_bytes_per_token: int = 0  # attention: unpadded K+V bytes per token
+    state_bytes: int = 0  # mamba: unpadded state bytes
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    kind: str
+    members: tuple[int, ...]  # indices into KVLayout.slots
+    tokens_per_block: int = 0  # attention groups
+    blocks_per_request_const: int = 0  # mamba groups
+
+
+@dataclass
+class KVLayout:
+    """The KV cache of one model + drafter under one set of cache settings.
+
+    ``bytes_per_block(start, end, last)`` is what one block costs the rank holding target
+    layers ``[start, end)`` (plus the drafter if ``last``); ``blocks_per_request(L)`` is what one
+    request of ``L`` tokens takes from the shared pool.
+    """
+
+    model_name: str
+    num_layers: int
+    block_size: int
+    kv_cache_dtype: str
+    attn_bytes_per_token: int
+    mamba_page_bytes: int  # unpadded state page (0 for dense models)
+    mamba_page_padded: int  # what vLLM pads it to (0 for dense models)
+    mamba_cache_mode: str
+    num_speculative_tokens: int
+    slots: list[KVSlot]
+    groups: list[KVGroup]
+    grouping: str  # "uniform", "uniform-type" or "hybrid"
+    notes: list[str] = field(default_factory=list)
+    # prefix sums per group over target layer index; drafter part per group
+    _prefix: list[list[int]] = field(default_factory=list, repr=False)
+    _drafter: list[int] = field(default_factory=list, repr=False)
+
+    # ---- per rank -------------------------------------------------------------------------
+
+    def bytes_per_block(self, start: int, end: int, last: bool) -> int:
+        """Bytes one block costs the rank with target layers ``[start, end)`` (+ drafter if last)."""
+        best = 0
+        for g, pref in enumerate(self._prefix):
+            b = pref[end] - pref[start] + (self._drafter[g] if last else 0)
+            if b > best:
+                best = b
+        return best
+
+    def layer_names(self, start: int, end: int, last: bool) -> list[str]:
+        return [
+            s.name
+            for s in self.slots
+            if (s.layer_index is not None and start <= s.layer_index < end) or (s.layer_index is None and last)
+        ]
+
+    # ---- per request ----------------------------------------------------------------------
+
+    @property
+    def blocks_per_request_const(self) -> int:
+        return sum(g.blocks_per_request_const for g in self.groups)
+
+    def blocks_per_request(self, max_len: int) -> int:
+        """Blocks one request of ``max_len`` tokens takes (sum over groups, as vLLM counts)."""
+        n = self.blocks_per_request_const
+        for g in self.groups:
+            if g.tokens_per_block:
+                n += cdiv(max_len, g.tokens_per_block)
+        return n
+
+    def max_len_for_blocks(self, num_blocks: int) -> int:
+        """Largest request length whose blocks fit in a pool of ``num_blocks`` (one is the null block)."""
+        usable = num_blocks - 1
+        if usable < self.blocks_per_request(1):
+            return 0
+        lo, hi = 1, max(1, usable) * max(g.tokens_per_block for g in self.groups if g.tokens_per_block) + 1
+        while lo < hi:  # largest L with blocks_per_request(L) <= usable
+            mid = (lo + hi + 1) // 2
+            if self.blocks_per_request(mid) <= usable:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def pool_tokens(self, num_blocks: int, max_model_len: int) -> int:
+        """vLLM's "GPU KV cache size: N tokens" (concurrency at max_model_len x max_model_len)."""
+        per_req = self.blocks_per_request(max_model_len)
+        return int(num_blocks / per_req * max_model_len) if per_req else 0
+
+    def bytes_per_token_read(self, start: int, end: int, last: bool) -> tuple[int, int]:
+        """(K+V bytes read per context token, mamba state bytes) for a rank's layers, unpadded."""
+        per_tok = state = 0
+        for s in self.slots:
+            on = (s.layer_index is not None and start <= s.layer_index < end) or (s.layer_index is None and last)
+            if on:
+                per_tok += s.real_bytes_per_token
+                state += s.state_bytes
+        return per_tok, state
+
+    def describe(self) -> dict:
+        return {
+            "block_size": self.block_size,
+            "kv_cache_dtype": self.kv_cache_dtype,
+            "attention_bytes_per_token_per_layer": self.attn_bytes_per_token,
+            "mamba_page_bytes": self.mamba_page_bytes,
+            "mamba_page_padded_bytes": self.mamba_page_padded,
+            "mamba_cache_mode": self.mamba_cache_mode,
+            "grouping": self.grouping,
+            "groups": [
+                {"kind": g.kind, "layers": len(g.members), "page_bytes": self.slots[g.members[0]].page_bytes}
+                for g in self.groups
+            ],
+            "notes": list(self.notes),
+        }
+
+    # ---- construction ---------------------------------------------------------------------
+
+    @classmethod
+    def build(
+        cls,
+        model: ModelSpec,
+        *,
+        kv_cache_dtype: str = "auto",
+        block_size: int | None = None,
+        drafter: DrafterSpec | None = None,
+        num_speculative_tokens: int | None = None,
+        model_dtype: str | None = None,
+        mamba_cache_dtype: str = "auto",
+        mamba_ssm_cache_dtype: str = "auto",
+        mamba_cache_mode: str = "align",
+        kernel_block_alignment: int = DEFAULT_KERNEL_BLOCK_ALIGNMENT,
+    ) -> "KVLayout":
+        mdt = model_dtype if model_dtype and model_dtype != "auto" else model.dtype
+        num_spec = num_speculative_tokens if num_speculative_tokens is not None else (
+            drafter.num_speculative_tokens if drafter else 0
+        )
+        kvb = dtype_bytes(kv_cache_dtype, mdt)
+        attn_tok = model.num_kv_heads * 2 * model.head_dim * kvb
+        notes: list[str] = []
+        if block_size is not None and block_size <= 0:
+            raise BadRequest("--block-size must be positive")
+        bs = block_size or DEFAULT_BLOCK_SIZE
+
+        mamba_page = mamba_padded = 0
+        if model.is_hybrid:
+            g = model.linear
+            assert g is not None
+            if mamba_cache_mode == "all":
+                raise UnsupportedModel(
+                    f"{model.name}: mamba cache mode 'all' is not supported by vLLM for this model; "
+                    "use 'align' (the default with prefix caching) or 'none'"
+                )
+            conv_b = dtype_bytes(mamba_cache_dtype, mdt)
+            ssm = mamba_ssm_cache_dtype
+            if ssm == "auto" and model.mamba_ssm_dtype != "auto":
+                ssm = model.mamba_ssm_dtype  # Qwen3.5: the config's mamba_ssm_dtype
+            ssm_b = conv_b if ssm == "auto" else dtype_bytes(ssm, mdt)
+            conv = g.conv_dim * (g.conv_kernel - 1 + num_spec) * conv_b
+            temporal = g.num_v_heads * g.v_head_dim * g.k_head_dim * ssm_b
+            mamba_page = conv + temporal
+            align = max(kernel_block_alignment, bs)
+            attn_block = align * cdiv(mamba_page, align * attn_tok)
+            if bs < attn_block:
+                notes.append(
+                    f"attention block size raised to {attn_block} tokens so a page holds a "
+                    f"{mamba_page:,}-byte Gated DeltaNet state (vLLM's hybrid alignment)"
+                )
+                bs = attn_block
+            mamba_padded = bs * attn_tok
+            assert mamba_padded >= mamba_page
+
+        slots: list[KVSlot] = []
+        a_key = ("attn", model.num_kv_heads, model.head_dim, kvb, bs, None)
+        m_key = ("mamba", mamba_padded)
+        for i, kind in enumerate(model.layer_types):
+            if kind == FULL:
+                slots.append(
+                    KVSlot(f"model.layers.{i}.self_attn.attn", "attention", i, bs * attn_tok, bs, a_key, attn_tok)
+                )
+            elif kind == LINEAR:
+                slots.append(KVSlot(f"model.layers.{i}.linear_attn", "mamba", i, mamba_padded, 0, m_key, 0, mamba_page))
+        if drafter is not None and drafter.kv_layers:
+            dkvb = dtype_bytes(drafter.kv_cache_dtype or kv_cache_dtype, mdt)
+            d_tok = drafter.kv_heads * 2 * drafter.head_dim * dkvb
+            d_key = ("attn", drafter.kv_heads, drafter.head_dim, dkvb, bs, None)
+            for j in range(drafter.kv_layers):
+                slots.append(
+                    KVSlot(f"drafter.layers.{j}.self_attn.attn", "attention", None, bs * d_tok, bs, d_key, d_tok)
+                )
+
+        keys = {s.spec_key for s in slots}
+        kinds = {s.kind for s in slots}
+        if len(keys) == 1:
+            groups = [KVGroup("attention" if "attention" in kinds else "mamba", tuple(range(len(slots))), bs)]
+            grouping = "uniform"
+            if kinds == {"mamba"}:
+                raise UnsupportedModel(f"{model.name}: attention-free models are not sized by the planner")
+        elif kinds == {"attention"}:
+            # UniformTypeKVCacheSpecs: one group, each layer keeps its own page size
+            groups = [KVGroup("attention", tuple(range(len(slots))), bs)]
+            grouping = "uniform-type"
+        else:
+            slots = _unify_page_sizes(slots)
+            groups = _hybrid_groups(slots, mamba_cache_mode, num_spec)
+            grouping = "hybrid"
+            sizes = sorted({len(g.members) for g in groups})
+            if len(sizes) > 1:
+                notes.append(
+                    f"vLLM groups the {len(slots)} KV layers into {len(groups)} groups of "
+                    f"{'/'.join(map(str, sizes))} layers; every block is sized for the largest group, "
+                    "so blocks held by smaller groups are partly unused"
+                )
+
+        layout = cls(
+            model_name=model.name,
+            num_layers=model.num_layers,
+            block_size=bs,
+            kv_cache_dtype=kv_cache_dtype,
+            attn_bytes_per_token=attn_tok,
+            mamba_page_bytes=mamba_page,
+            mamba_page_padded=mamba_padded,
+            mamba_cache_mode=mamba_cache_mode if model.is_hybrid else "none",
+            num_speculative_tokens=num_spec,
+            slots=slots,
+            groups=groups,
+            grouping=grouping,
+            notes=notes,
+        )
+        layout._index()
+        return layout
+
+    def _index(self) -> None:
+        L = self.num_layers
+        self._prefix = []
+        self._drafter = []
+        for g in self.groups:
+            per_layer = [0] * L
+            drafter = 0
+            for m in g.members:
+                s = self.slots[m]
+                if s.layer_index is None:
+                    drafter += s.page_bytes
+                else:
+                    per_layer[s.layer_index] += s.page_bytes
+            pref = [0] * (L + 1)
+            for i in range(L):
+                pref[i + 1] = pref[i] + per_layer[i]
+            self._prefix.append(pref)
+            self._drafter.append(drafter)
+
+
+def _unify_page_sizes(slots: list[KVSlot]) -> list[KVSlot]:
+    """``unify_kv_cache_spec_page_size``: scale smaller attention pages by an integer block-size
+    ratio when it divides the largest page, otherwise pad; pad mamba pages."""
+    max_page = max(s.page_bytes for s in slots)
+    out = []
+    for s in slots:
+        if s.page_bytes == max_page:
+            out.append(s)
+        elif s.kind == "mamba":
+            out.append(_replace(s, page_bytes=max_page, spec_key=("mamba", max_page)))
+        elif max_page % s.page_bytes == 0:
+            ratio = max_page // s.page_bytes
+            key = s.spec_key[:4] + (s.tokens_per_block * ratio, None)
+            out.append(_replace(s, page_bytes=max_page, tokens_per_block=s.tokens_per_block * ratio, spec_key=key))
+        else:
+            key = s.spec_key[:5] + (max_page,)
+            out.append(_replace(s, page_bytes=max_page, spec_key=key))
+    return out
+
+
+def _replace(s: KVSlot, **kw) -> KVSlot:
+    from dataclasses import replace
+
+    return replace(s, **kw)
+
+
+def _hybrid_groups(slots: list[KVSlot], mamba_cache_mode: str, num_spec: int) -> list[KVGroup]:
+    """``_get_kv_cache_groups_uniform_page_size``: bucket by spec, equal-size strided groups."""
+    buckets: dict[tuple, list[int]] = {}
+    for i, s in enumerate(slots):
+        buckets.setdefault(s.spec_key, []).append(i)
+    lens = [len(b) for b in buckets.values()]
+    group_size = min(lens)
+    if max(lens) < min(lens) * 1.5:
+        group_size = max(lens)
+    mamba_blocks = (2 if mamba_cache_mode == "align" else 1) + num_spec
+    groups: list[KVGroup] = []
+    for key, members in buckets.items():
+        n = cdiv(len(members), group_size)
+        for i in range(n):
+            part = tuple(members[i::n])
+            s0 = slots[part[0]]
+            if s0.kind == "mamba":
+                groups.append(KVGroup("mamba", part, 0, mamba_blocks))
+            else:
+                groups.append(KVGroup("attention", part, s0.tokens_per_block, 0))
+    return groups

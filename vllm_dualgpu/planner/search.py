@@ -1,0 +1,800 @@
+"""The split search: GPU order, layers per rank, and what each rank ends up with.
+
+For every candidate (GPU order, layer partition) each rank's KV budget is
+
+    budget (free - reserve) - fixed (CUDA context + embedding/vision or head/drafter)
+        - weights (its decoder layers) - runtime reserve (activations, sampler, CUDA graphs)
+
+and it holds ``budget // bytes_per_block`` blocks, paying only its own layers' pages per block.
+vLLM gives every rank the minimum block count, so that minimum is the shared pool. Among the
+splits whose pool holds one request of the requested ``--max-model-len``, the default objective
+``"pool"`` takes the largest pool and, among splits within 1% of it, the fastest predicted
+decode step (more layers on the card with more memory bandwidth); ``"auto"``/``"speed"`` take
+the fastest predicted decode step and break ties by the larger pool. Compositions
+are enumerated exhaustively with prefix sums (fine for 2-3 ranks up to ~128 layers).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from dataclasses import dataclass, field, replace
+
+from vllm_dualgpu.planner.errors import BadRequest, ContextTooLong, ModelDoesNotFit, PlanError
+from vllm_dualgpu.planner.gpus import GpuFacts
+from vllm_dualgpu.planner.kv import DEFAULT_KERNEL_BLOCK_ALIGNMENT, KVLayout
+from vllm_dualgpu.planner.memory import MemoryModel, default_batch_limits, runtime_reserve
+from vllm_dualgpu.planner.model import DrafterSpec, ModelSpec
+
+GIB = 1 << 30
+_OBJECTIVES = ("auto", "speed", "pool")
+# "pool": splits within this share of the largest pool count as equal; the faster one wins.
+POOL_TOLERANCE = 0.99
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """The serving settings to plan for; names follow ``vllm serve``'s arguments.
+
+    ``max_model_len``: None = the model's own maximum (as vLLM derives it), -1 = the largest
+    that fits (vLLM's auto-fit). ``layer_partition`` (VLLM_PP_LAYER_PARTITION), ``gpu_order``
+    (CUDA indices, rank 0 first), ``num_gpu_blocks_override`` and ``kv_cache_memory_bytes`` are
+    user overrides: they win over the search. ``speculative`` is vLLM's
+    ``--speculative-config`` dict (plus ``draft_config``, the drafter's config.json contents,
+    for drafters with their own checkpoint).
+    """
+
+    max_model_len: int | None = None
+    kv_cache_dtype: str = "auto"
+    block_size: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    speculative: dict | None = None
+    pp_size: int = 2
+    layer_partition: list[int] | None = None
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    model_dtype: str = "bfloat16"
+    gpu_order: list[int] | None = None
+    objective: str = "pool"
+    enable_prefix_caching: bool = True
+    mamba_cache_mode: str | None = None
+    mamba_cache_dtype: str = "auto"
+    mamba_ssm_cache_dtype: str = "auto"
+    enforce_eager: bool = False
+    language_model_only: bool = False
+    vision_on_every_rank: bool = False
+    drafter_shares_embedding: bool = False
+    decode_context_tokens: int | None = None
+    kernel_block_alignment: int = DEFAULT_KERNEL_BLOCK_ALIGNMENT
+    memory: MemoryModel = field(default_factory=MemoryModel)
+
+    def to_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in ("memory", "speculative")}
+        if self.speculative:
+            d["speculative"] = {
+                k: v for k, v in self.speculative.items() if k not in ("draft_config", "draft_hf_config")
+            }
+        d["memory"] = self.memory.to_dict()
+        return d
+
+
+@dataclass
+class RankPlan:
+    """One pipeline rank: its GPU, its layers and its memory."""
+
+    rank: int
+    gpu: GpuFacts
+    layers: range
+    weights_bytes: int
+    fixed_bytes: int
+    reserve_bytes: int
+    kv_bytes_per_block: int
+    blocks: int
+    max_context_tokens: int
+    predicted_free_after_bytes: int
+    predicted_decode_ms: float | None
+    budget_bytes: int = 0
+    kv_budget_bytes: int = 0
+    kv_cache_bytes: int = 0
+    fixed_detail: dict = field(default_factory=dict)
+    reserve_detail: dict = field(default_factory=dict)
+    decode_read_bytes: int = 0
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def to_dict(self) -> dict:
+        return {
+            "rank": self.rank,
+            "gpu": self.gpu.to_dict(),
+            "layers": [self.layers.start, self.layers.stop],
+            "num_layers": self.num_layers,
+            "budget_bytes": self.budget_bytes,
+            "weights_bytes": self.weights_bytes,
+            "fixed_bytes": self.fixed_bytes,
+            "fixed_detail": dict(self.fixed_detail),
+            "reserve_bytes": self.reserve_bytes,
+            "reserve_detail": dict(self.reserve_detail),
+            "kv_budget_bytes": self.kv_budget_bytes,
+            "kv_bytes_per_block": self.kv_bytes_per_block,
+            "blocks": self.blocks,
+            "max_context_tokens": self.max_context_tokens,
+            "kv_cache_bytes": self.kv_cache_bytes,
+            "predicted_free_after_bytes": self.predicted_free_after_bytes,
+            "decode_read_bytes": self.decode_read_bytes,
+            "predicted_decode_ms": self.predicted_decode_ms,
+        }
+
+
+@dataclass
+class Plan:
+    """The chosen GPU order, split and per-rank memory. See :func:`plan`."""
+
+    model: ModelSpec
+    request: PlanRequest
+    order: list[int]
+    partition: list[int]
+    ranks: list[RankPlan]
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    max_context_tokens: int
+    kv_max_context_tokens: int
+    pool_tokens: int
+    kv: KVLayout
+    overrides: dict = field(default_factory=dict)
+    passthrough: bool = False
+    objective: str = "pool"
+    notes: list[str] = field(default_factory=list)
+    candidates: int = 0
+    drafter: DrafterSpec | None = None
+    max_num_batched_tokens: int = 0
+    max_num_seqs: int = 0
+    decode_context_tokens: int = 0
+
+    @property
+    def predicted_decode_ms(self) -> float | None:
+        vals = [r.predicted_decode_ms for r in self.ranks]
+        return None if any(v is None for v in vals) else sum(vals)  # type: ignore[arg-type]
+
+    @property
+    def max_concurrency(self) -> float:
+        per = self.kv.blocks_per_request(self.max_model_len) if self.max_model_len > 0 else 0
+        return self.num_blocks / per if per else 0.0
+
+    def partition_env(self) -> str | None:
+        """The ``VLLM_PP_LAYER_PARTITION`` value, or None when vLLM runs as stock (PP=1)."""
+        if self.passthrough or len(self.partition) < 2:
+            return None
+        return ",".join(str(n) for n in self.partition)
+
+    def cuda_visible_devices(self) -> str:
+        return ",".join(str(i) for i in self.order)
+
+    def info_line(self) -> str:
+        """One line for the log: what the plan is and which user overrides it honoured."""
+        if self.passthrough:
+            return "vllm-dualgpu plan: " + "; ".join(self.notes or ["running as stock vLLM"])
+        ov = ", ".join(f"{k}={v}" for k, v in self.overrides.items()) or "none"
+        return (
+            f"vllm-dualgpu plan: GPUs {self.cuda_visible_devices()} split {self.partition_env()}, "
+            f"{self.num_blocks:,} blocks x {self.block_size} tokens, max context "
+            f"{self.max_context_tokens:,}; overrides honoured: {ov}"
+        )
+
+    def to_dict(self) -> dict:
+        d = {
+            "model": self.model.to_dict(),
+            "request": self.request.to_dict(),
+            "passthrough": self.passthrough,
+            "objective": self.objective,
+            "order": list(self.order),
+            "cuda_visible_devices": self.cuda_visible_devices(),
+            "partition": list(self.partition),
+            "partition_env": self.partition_env(),
+            "num_blocks": self.num_blocks,
+            "block_size": self.block_size,
+            "max_model_len": self.max_model_len,
+            "max_context_tokens": self.max_context_tokens,
+            "kv_max_context_tokens": self.kv_max_context_tokens,
+            "pool_tokens": self.pool_tokens,
+            "max_concurrency": round(self.max_concurrency, 3),
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_num_seqs": self.max_num_seqs,
+            "decode_context_tokens": self.decode_context_tokens,
+            "predicted_decode_ms": None if self.predicted_decode_ms is None else round(self.predicted_decode_ms, 3),
+            "kv_cache": self.kv.describe(),
+            "drafter": self.drafter.to_dict() if self.drafter else None,
+            "overrides": dict(self.overrides),
+            "notes": list(self.notes),
+            "candidates": self.candidates,
+            "ranks": [r.to_dict() for r in self.ranks],
+        }
+        return d
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def table(self) -> str:
+        from vllm_dualgpu.planner.report import plan_table
+
+        return plan_table(self)
+
+
+@dataclass
+class StockEstimate:
+    """What stock vLLM 0.30 would do: CUDA order, even split, one ``--gpu-memory-utilization``."""
+
+    gpu_memory_utilization: float
+    boots: bool
+    reason: str
+    order: list[int]
+    partition: list[int]
+    num_blocks: int
+    max_context_tokens: int
+    pool_tokens: int
+    best_utilization: float | None
+    best_num_blocks: int
+    best_pool_tokens: int
+    best_max_context_tokens: int
+    best_boots: bool
+    best_reason: str
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+
+
+def even_partition(num_layers: int, pp_size: int) -> list[int]:
+    """vLLM's default split (``get_pp_indices``): remainder to the ranks before the last."""
+    parts = [num_layers // pp_size] * pp_size
+    rem = num_layers % pp_size
+    for i in range(2, rem + 2):
+        parts[-i] += 1
+    return parts
+
+
+def compositions(n: int, k: int):
+    """All ways to write n as k positive parts, in lexicographic order."""
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        prev = 0
+        parts = []
+        for c in cuts:
+            parts.append(c - prev)
+            prev = c
+        parts.append(n - prev)
+        yield parts
+
+
+class _Context:
+    """Everything that does not depend on the candidate split, precomputed once."""
+
+    def __init__(self, model: ModelSpec, request: PlanRequest, pp: int, gpus_by_index: dict[int, GpuFacts]):
+        self.model = model
+        self.request = request
+        self.pp = pp
+        self.gpus = gpus_by_index
+        mm = request.memory
+        self.mm = mm
+        self.drafter = DrafterSpec.from_speculative(request.speculative, model)
+        num_spec = self.drafter.num_speculative_tokens if self.drafter else 0
+        mode = request.mamba_cache_mode or ("align" if request.enable_prefix_caching else "none")
+        self.kv = KVLayout.build(
+            model,
+            kv_cache_dtype=request.kv_cache_dtype,
+            block_size=request.block_size,
+            drafter=self.drafter,
+            num_speculative_tokens=num_spec,
+            model_dtype=request.model_dtype,
+            mamba_cache_dtype=request.mamba_cache_dtype,
+            mamba_ssm_cache_dtype=request.mamba_ssm_cache_dtype,
+            mamba_cache_mode=mode,
+            kernel_block_alignment=request.kernel_block_alignment,
+        )
+        dev0 = gpus_by_index[min(gpus_by_index)]
+        d_tok, d_seq = default_batch_limits(dev0.total_bytes, dev0.name)
+        self.max_num_batched_tokens = request.max_num_batched_tokens or d_tok
+        self.max_num_seqs = request.max_num_seqs or d_seq
+        self.vision = model.has_vision and not request.language_model_only
+
+        L = model.num_layers
+        self.W = [0] * (L + 1)
+        self.R = [0] * (L + 1)
+        for i, layer in enumerate(model.layers):
+            self.W[i + 1] = self.W[i] + layer.weight_bytes
+            self.R[i + 1] = self.R[i] + layer.decode_read_bytes
+
+        # role costs, by (first, last)
+        self.fixed: dict[tuple[bool, bool], dict[str, int]] = {}
+        self.reserve: dict[tuple[bool, bool], dict[str, int]] = {}
+        for first in (True, False):
+            for last in (True, False):
+                f = {"cuda_context": mm.cuda_context_bytes}
+                if first:
+                    f["embedding"] = model.embed_bytes
+                if self.vision and (first or request.vision_on_every_rank):
+                    f["vision"] = model.vision_bytes
+                if last:
+                    if not (first and model.tie_word_embeddings):
+                        f["lm_head"] = model.lm_head_bytes
+                    f["final_norm"] = model.final_norm_bytes
+                    d = self.drafter
+                    if d is not None and (d.weight_bytes or d.lm_head_bytes):
+                        f["drafter"] = d.weight_bytes + d.lm_head_bytes
+                        if not request.drafter_shares_embedding and not first and d.embed_bytes:
+                            f["drafter_embedding"] = d.embed_bytes
+                self.fixed[(first, last)] = f
+                self.reserve[(first, last)] = runtime_reserve(
+                    model,
+                    first=first,
+                    last=last,
+                    max_num_batched_tokens=self.max_num_batched_tokens,
+                    max_num_seqs=self.max_num_seqs,
+                    enforce_eager=request.enforce_eager,
+                    vision=self.vision,
+                    mm=mm,
+                )
+        self.fixed_sum = {k: sum(v.values()) for k, v in self.fixed.items()}
+        self.reserve_sum = {k: sum(v.values()) for k, v in self.reserve.items()}
+
+        # decode: K+V bytes per context token and mamba state bytes, prefix over layers
+        self.KVT = [0] * (L + 1)
+        self.ST = [0] * (L + 1)
+        per_layer_tok = [0] * L
+        per_layer_state = [0] * L
+        d_tok_bytes = d_state = 0
+        for s in self.kv.slots:
+            if s.layer_index is None:
+                d_tok_bytes += s.real_bytes_per_token
+                d_state += s.state_bytes
+            else:
+                per_layer_tok[s.layer_index] += s.real_bytes_per_token
+                per_layer_state[s.layer_index] += s.state_bytes
+        for i in range(L):
+            self.KVT[i + 1] = self.KVT[i] + per_layer_tok[i]
+            self.ST[i + 1] = self.ST[i] + per_layer_state[i]
+        self.drafter_kv_tok = d_tok_bytes
+        self.min_blocks = self.kv.blocks_per_request(1) + 1  # one token + the null block
+
+    def last_extra_read(self) -> int:
+        m = self.model
+        b = m.lm_head_bytes + m.final_norm_bytes
+        if self.drafter is not None:
+            b += self.drafter.decode_read_bytes * self.drafter.passes
+        return b
+
+
+@dataclass
+class _Candidate:
+    order: tuple[int, ...]
+    partition: tuple[int, ...]
+    bpb: list[int]
+    kv_budget: list[int]
+    avail: list[int]
+    blocks: list[int]
+    num_blocks: int
+    max_ctx: int
+    decode_ms: float | None
+    shortfall: list[int]  # bytes each rank is short of weights+fixed+reserve+minimal KV (<=0: fits)
+
+    @property
+    def fits(self) -> bool:
+        return all(s <= 0 for s in self.shortfall)
+
+
+def _evaluate(ctx: _Context, order: tuple[int, ...], partition: tuple[int, ...], decode_tokens: int) -> _Candidate:
+    req = ctx.request
+    pp = len(partition)
+    start = 0
+    bpbs, budgets, avails, blocks, shorts = [], [], [], [], []
+    decode_ms: float | None = 0.0
+    for r, n in enumerate(partition):
+        end = start + n
+        first, last = r == 0, r == pp - 1
+        gpu = ctx.gpus[order[r]]
+        bpb = ctx.kv.bytes_per_block(start, end, last)
+        kv_budget = gpu.budget_bytes - ctx.fixed_sum[(first, last)] - (ctx.W[end] - ctx.W[start]) - ctx.reserve_sum[(first, last)]
+        if req.num_gpu_blocks_override is not None:
+            avail = req.num_gpu_blocks_override * bpb
+            short = avail - kv_budget
+        elif req.kv_cache_memory_bytes is not None:
+            avail = req.kv_cache_memory_bytes
+            short = max(avail, ctx.min_blocks * bpb) - kv_budget
+        else:
+            avail = kv_budget
+            short = ctx.min_blocks * bpb - kv_budget
+        b = avail // bpb if avail > 0 and bpb > 0 else 0
+        bpbs.append(bpb)
+        budgets.append(kv_budget)
+        avails.append(avail)
+        blocks.append(b)
+        shorts.append(short)
+        if decode_ms is not None:
+            bw = gpu.bandwidth_gbps
+            if not bw:
+                decode_ms = None
+            else:
+                read = ctx.R[end] - ctx.R[start]
+                read += decode_tokens * (ctx.KVT[end] - ctx.KVT[start]) + 2 * (ctx.ST[end] - ctx.ST[start])
+                if last:
+                    read += ctx.last_extra_read() + decode_tokens * ctx.drafter_kv_tok
+                decode_ms += read / (bw * 1e9) * 1e3
+        start = end
+    num_blocks = req.num_gpu_blocks_override if req.num_gpu_blocks_override is not None else min(blocks)
+    max_ctx = ctx.kv.max_len_for_blocks(num_blocks) if num_blocks > 0 else 0
+    return _Candidate(order, tuple(partition), bpbs, budgets, avails, blocks, num_blocks, max_ctx, decode_ms, shorts)
+
+
+def _rank_plans(ctx: _Context, c: _Candidate, decode_tokens: int) -> list[RankPlan]:
+    out = []
+    start = 0
+    pp = len(c.partition)
+    for r, n in enumerate(c.partition):
+        end = start + n
+        first, last = r == 0, r == pp - 1
+        gpu = ctx.gpus[c.order[r]]
+        weights = ctx.W[end] - ctx.W[start]
+        fixed = ctx.fixed_sum[(first, last)]
+        reserve = ctx.reserve_sum[(first, last)]
+        kv_alloc = c.num_blocks * c.bpb[r]
+        read = ctx.R[end] - ctx.R[start] + decode_tokens * (ctx.KVT[end] - ctx.KVT[start]) + 2 * (ctx.ST[end] - ctx.ST[start])
+        if last:
+            read += ctx.last_extra_read() + decode_tokens * ctx.drafter_kv_tok
+        ms = read / (gpu.bandwidth_gbps * 1e9) * 1e3 if gpu.bandwidth_gbps else None
+        out.append(
+            RankPlan(
+                rank=r,
+                gpu=gpu,
+                layers=range(start, end),
+                weights_bytes=weights,
+                fixed_bytes=fixed,
+                reserve_bytes=reserve,
+                kv_bytes_per_block=c.bpb[r],
+                blocks=c.blocks[r],
+                max_context_tokens=ctx.kv.max_len_for_blocks(c.blocks[r]) if c.blocks[r] > 0 else 0,
+                predicted_free_after_bytes=gpu.free_bytes - fixed - weights - reserve - kv_alloc,
+                predicted_decode_ms=ms,
+                budget_bytes=gpu.budget_bytes,
+                kv_budget_bytes=c.kv_budget[r],
+                kv_cache_bytes=kv_alloc,
+                fixed_detail=dict(ctx.fixed[(first, last)]),
+                reserve_detail=dict(ctx.reserve[(first, last)]),
+                decode_read_bytes=read,
+            )
+        )
+        start = end
+    return out
+
+
+def _select(cands: list[_Candidate], objective: str, auto_fit: bool) -> _Candidate:
+    def blocks_key(c: _Candidate):
+        return (-c.num_blocks, -c.partition[-1], c.partition)
+
+    if objective == "pool" or auto_fit or any(c.decode_ms is None for c in cands):
+        best_blocks = max(c.num_blocks for c in cands)
+        tied = [c for c in cands if c.num_blocks >= best_blocks * POOL_TOLERANCE]
+        return min(tied, key=lambda c: (c.decode_ms or 0.0, -c.partition[-1], c.partition))
+    fastest = min(c.decode_ms for c in cands)  # type: ignore[type-var]
+    tol = fastest * 1e-6 + 1e-9
+    near = [c for c in cands if c.decode_ms <= fastest + tol]  # type: ignore[operator]
+    return min(near, key=blocks_key)
+
+
+# --------------------------------------------------------------------------------------------
+# public entry points
+
+
+def _resolve_gpus(gpus: list[GpuFacts], request: PlanRequest, notes: list[str]) -> list[GpuFacts]:
+    pp = request.pp_size
+    if request.gpu_order is not None:
+        idx = {g.index: g for g in gpus}
+        if len(request.gpu_order) != pp or len(set(request.gpu_order)) != pp:
+            raise BadRequest(f"gpu_order {request.gpu_order} must name {pp} different GPUs (one per rank)")
+        missing = [i for i in request.gpu_order if i not in idx]
+        if missing:
+            raise BadRequest(f"gpu_order names GPU(s) {missing} that are not among {sorted(idx)}")
+        return [idx[i] for i in request.gpu_order]
+    if len(gpus) > pp:
+        chosen = sorted(gpus, key=lambda g: (-g.budget_bytes, -(g.bandwidth_gbps or 0), g.index))[:pp]
+        chosen = sorted(chosen, key=lambda g: g.index)
+        notes.append(
+            f"{len(gpus)} GPUs given for {pp} ranks: planning on the {pp} with the most free memory "
+            f"({', '.join(str(g.index) for g in chosen)})"
+        )
+        return chosen
+    return list(gpus)
+
+
+def _orders(gpus: list[GpuFacts], fixed: bool) -> list[tuple[int, ...]]:
+    if fixed:
+        return [tuple(g.index for g in gpus)]
+    # The card with the most memory to spend goes last (output head, sampler, drafter); ties keep
+    # CUDA order (the higher index last).
+    last = max(gpus, key=lambda g: (g.budget_bytes, g.total_bytes, g.bandwidth_gbps or 0, g.index))
+    rest = [g for g in gpus if g is not last]
+    rest.sort(key=lambda g: (g.budget_bytes, g.total_bytes, g.index))
+    if len(rest) <= 2:
+        perms = [tuple(p) for p in itertools.permutations(rest)]
+    else:
+        perms = [tuple(rest)]
+    return [tuple(g.index for g in p) + (last.index,) for p in perms]
+
+
+def plan(model: ModelSpec, gpus: list[GpuFacts], request: PlanRequest | None = None) -> Plan:
+    """Plan GPU order, layer split and KV pool for ``model`` on ``gpus``.
+
+    Raises :class:`ContextTooLong` (with the largest ``--max-model-len`` that fits),
+    :class:`ModelDoesNotFit` (which rank is short, by how much) or :class:`BadRequest`. With one
+    GPU or ``pp_size=1`` it returns a pass-through plan (``passthrough=True``,
+    ``partition_env() is None``) and raises nothing: vLLM then runs as stock.
+    """
+    request = request or PlanRequest()
+    if not gpus:
+        raise BadRequest("no GPUs to plan for")
+    if request.objective not in _OBJECTIVES:
+        raise BadRequest(f"objective {request.objective!r}: use one of {', '.join(_OBJECTIVES)}")
+    if request.pp_size < 1:
+        raise BadRequest("pipeline_parallel_size must be >= 1")
+    gpus = [g.with_known_defaults() for g in gpus]
+    if len({g.index for g in gpus}) != len(gpus):
+        raise BadRequest("two GPUs share one index")
+    notes: list[str] = []
+    L = model.num_layers
+
+    if request.pp_size == 1 or len(gpus) == 1:
+        return _passthrough(model, gpus, request)
+    if request.pp_size > len(gpus):
+        raise BadRequest(
+            f"--pipeline-parallel-size {request.pp_size} needs {request.pp_size} GPUs; {len(gpus)} given"
+        )
+    pp = request.pp_size
+    if pp > L:
+        raise BadRequest(f"{pp} pipeline ranks for {L} layers: every rank needs at least one layer")
+
+    max_len = request.max_model_len
+    auto_fit = max_len == -1
+    if max_len is not None and max_len != -1:
+        if max_len < 1:
+            raise BadRequest("--max-model-len must be positive (or -1 / auto)")
+        if max_len > model.max_position_embeddings:
+            raise BadRequest(
+                f"--max-model-len {max_len:,} is larger than the model's maximum "
+                f"({model.max_position_embeddings:,}); vLLM refuses it unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"
+            )
+    target = None if auto_fit else (max_len if max_len is not None else model.max_position_embeddings)
+
+    overrides: dict = {}
+    used = _resolve_gpus(gpus, request, notes)
+    if request.gpu_order is not None:
+        overrides["gpu_order"] = ",".join(map(str, request.gpu_order))
+    ctx = _Context(model, request, pp, {g.index: g for g in used})
+    decode_tokens = request.decode_context_tokens
+    if decode_tokens is None:
+        decode_tokens = target if target is not None else model.max_position_embeddings
+
+    if request.layer_partition is not None:
+        part = [int(x) for x in request.layer_partition]
+        if len(part) != pp:
+            raise BadRequest(f"layer partition {part} has {len(part)} entries for {pp} ranks")
+        if sum(part) != L:
+            raise BadRequest(f"layer partition {part} sums to {sum(part)}, the model has {L} layers")
+        if any(n < 1 for n in part):
+            raise BadRequest(f"layer partition {part}: every rank needs at least one layer")
+        partitions = [part]
+        overrides["layer_partition"] = ",".join(map(str, part))
+    else:
+        partitions = list(compositions(L, pp))
+    if request.num_gpu_blocks_override is not None:
+        if request.num_gpu_blocks_override < ctx.min_blocks:
+            raise BadRequest(
+                f"--num-gpu-blocks-override {request.num_gpu_blocks_override} is below the minimum "
+                f"of {ctx.min_blocks} blocks (one request plus the null block)"
+            )
+        overrides["num_gpu_blocks_override"] = request.num_gpu_blocks_override
+    if request.kv_cache_memory_bytes is not None:
+        if request.kv_cache_memory_bytes < 1:
+            raise BadRequest("--kv-cache-memory-bytes must be positive")
+        overrides["kv_cache_memory_bytes"] = request.kv_cache_memory_bytes
+    if request.block_size is not None:
+        overrides["block_size"] = request.block_size
+
+    orders = _orders(used, request.gpu_order is not None)
+    cands = [_evaluate(ctx, o, tuple(p), decode_tokens) for o in orders for p in partitions]
+    fitting = [c for c in cands if c.fits and c.num_blocks >= ctx.min_blocks]
+    if not fitting:
+        worst = min(cands, key=lambda c: (max(c.shortfall), sum(max(s, 0) for s in c.shortfall)))
+        r = max(range(pp), key=lambda i: worst.shortfall[i])
+        what = "the weights, fixed costs and one request's KV cache"
+        if request.num_gpu_blocks_override is not None:
+            what = f"--num-gpu-blocks-override {request.num_gpu_blocks_override}"
+        elif request.kv_cache_memory_bytes is not None:
+            what = f"--kv-cache-memory-bytes {request.kv_cache_memory_bytes}"
+        shorts = [(i, ctx.gpus[worst.order[i]].name, s) for i, s in enumerate(worst.shortfall) if s > 0]
+        raise ModelDoesNotFit(
+            r,
+            ctx.gpus[worst.order[r]].name,
+            max(worst.shortfall[r], 1),
+            partition=list(worst.partition),
+            what=what,
+            shortfalls=shorts,
+        )
+    cap = model.max_position_embeddings
+    if target is not None:
+        feasible = [c for c in fitting if c.max_ctx >= target]
+        if not feasible:
+            best = max(fitting, key=lambda c: (min(c.max_ctx, cap), c.num_blocks))
+            largest = min(best.max_ctx, cap)
+            dt = decode_tokens if request.decode_context_tokens is not None else min(decode_tokens, largest)
+            best_plan = _make_plan(ctx, best, largest, dt, overrides, notes, len(cands), auto_fit=False)
+            raise ContextTooLong(largest, target, best_plan=best_plan)
+    else:
+        feasible = fitting
+    chosen = _select(feasible, request.objective, auto_fit)
+    final_len = target if target is not None else min(chosen.max_ctx, cap)
+    return _make_plan(ctx, chosen, final_len, decode_tokens, overrides, notes, len(cands), auto_fit)
+
+
+def _make_plan(ctx: _Context, c: _Candidate, max_model_len: int, decode_tokens: int, overrides, notes, n, auto_fit) -> Plan:
+    model = ctx.model
+    ranks = _rank_plans(ctx, c, decode_tokens)
+    notes = list(notes) + list(ctx.kv.notes)
+    if ctx.request.num_gpu_blocks_override is not None:
+        notes.append("--num-gpu-blocks-override: vLLM does not check this against free memory; the plan does")
+    if ctx.drafter is not None and ctx.drafter.embed_bytes and not ctx.request.drafter_shares_embedding:
+        notes.append(
+            "the drafter loads its own copy of the embedding on the last rank under PP "
+            "(vLLM 0.30 maybe_share_target_embed)"
+        )
+    if auto_fit:
+        notes.append(f"--max-model-len auto: {max_model_len:,} is the largest that fits")
+    kv_max = c.max_ctx
+    objective = "pool" if (ctx.request.objective == "pool" or auto_fit) else ctx.request.objective
+    return Plan(
+        model=model,
+        request=ctx.request,
+        order=list(c.order),
+        partition=list(c.partition),
+        ranks=ranks,
+        num_blocks=c.num_blocks,
+        block_size=ctx.kv.block_size,
+        max_model_len=max_model_len,
+        max_context_tokens=min(kv_max, model.max_position_embeddings),
+        kv_max_context_tokens=kv_max,
+        pool_tokens=ctx.kv.pool_tokens(c.num_blocks, max_model_len) if max_model_len > 0 else 0,
+        kv=ctx.kv,
+        overrides=dict(overrides),
+        passthrough=False,
+        objective=objective,
+        notes=notes,
+        candidates=n,
+        drafter=ctx.drafter,
+        max_num_batched_tokens=ctx.max_num_batched_tokens,
+        max_num_seqs=ctx.max_num_seqs,
+        decode_context_tokens=decode_tokens,
+    )
+
+
+def _passthrough(model: ModelSpec, gpus: list[GpuFacts], request: PlanRequest) -> Plan:
+    """PP=1 or one GPU: vLLM runs as stock. Numbers are informative only; nothing is raised."""
+    gpu = min(gpus, key=lambda g: g.index)
+    why = "pipeline_parallel_size=1" if request.pp_size == 1 else "one GPU"
+    req1 = replace(request, pp_size=1, layer_partition=None, gpu_order=None)
+    notes = [f"{why}: vLLM runs as stock (no GPU order, split or memory changes)"]
+    try:
+        ctx = _Context(model, req1, 1, {gpu.index: gpu})
+        max_len = request.max_model_len
+        target = model.max_position_embeddings if max_len in (None, -1) else max_len
+        c = _evaluate(ctx, (gpu.index,), (model.num_layers,), target)
+        p = _make_plan(ctx, c, target, target, {}, notes, 1, auto_fit=False)
+    except PlanError as e:  # informative numbers only; never fail a stock run
+        from vllm_dualgpu.planner.kv import KVLayout as _KV
+
+        kv = _KV.build(model)
+        return Plan(
+            model=model,
+            request=request,
+            order=[gpu.index],
+            partition=[model.num_layers],
+            ranks=[],
+            num_blocks=0,
+            block_size=kv.block_size,
+            max_model_len=request.max_model_len or model.max_position_embeddings,
+            max_context_tokens=0,
+            kv_max_context_tokens=0,
+            pool_tokens=0,
+            kv=kv,
+            passthrough=True,
+            notes=notes + [f"(no estimate: {e})"],
+        )
+    p.passthrough = True
+    p.request = request
+    return p
+
+
+def stock_estimate(
+    model: ModelSpec,
+    gpus: list[GpuFacts],
+    request: PlanRequest | None = None,
+    gpu_memory_utilization: float = 0.9,
+) -> StockEstimate:
+    """Predict stock vLLM 0.30: GPUs in CUDA order, even split, one utilization for every rank.
+
+    A rank boots when the free memory its worker sees (NVML free minus its CUDA context) is at
+    least ``total x utilization``; its KV cache gets ``total x utilization`` minus weights and
+    runtime memory. Also finds the highest utilization (in steps of 0.01) that boots.
+    """
+    request = request or PlanRequest()
+    pp = max(1, min(request.pp_size, len(gpus)))
+    used = sorted(gpus, key=lambda g: g.index)[:pp]
+    used = [g.with_known_defaults() for g in used]
+    req = replace(request, pp_size=pp, gpu_order=None, memory=request.memory)
+    ctx = _Context(model, req, pp, {g.index: g for g in used})
+    part = list(request.layer_partition) if request.layer_partition else even_partition(model.num_layers, pp)
+    max_len = request.max_model_len
+    target = model.max_position_embeddings if max_len in (None, -1) else max_len
+    need = ctx.kv.blocks_per_request(target) + 1
+
+    def at(util: float) -> tuple[str, str, int, int]:
+        """(status, reason, blocks, max context); status: boots, free, nokv or short."""
+        start = 0
+        blocks = []
+        for r, n in enumerate(part):
+            end = start + n
+            first, last = r == 0, r == pp - 1
+            g = used[r]
+            requested = math.ceil(g.total_bytes * util)
+            seen_free = g.free_bytes - ctx.mm.cuda_context_bytes
+            if seen_free < requested:
+                return "free", (
+                    f"rank {r} ({g.short_name}) sees {seen_free / GIB:.2f} GiB free, less than "
+                    f"{util:.2f} x {g.total_bytes / GIB:.1f} GiB"
+                ), 0, 0
+            fixed = ctx.fixed_sum[(first, last)] - ctx.mm.cuda_context_bytes
+            avail = requested - fixed - (ctx.W[end] - ctx.W[start]) - ctx.reserve_sum[(first, last)]
+            bpb = ctx.kv.bytes_per_block(start, end, last)
+            if request.num_gpu_blocks_override is not None:
+                blocks.append(request.num_gpu_blocks_override)
+            elif request.kv_cache_memory_bytes is not None:
+                blocks.append(request.kv_cache_memory_bytes // bpb)
+            else:
+                blocks.append(max(avail, 0) // bpb)
+            start = end
+        nb = min(blocks)
+        if nb <= 0:
+            r = blocks.index(nb)
+            return "nokv", f"rank {r} ({used[r].short_name}) has no memory left for the KV cache", 0, 0
+        mc = ctx.kv.max_len_for_blocks(nb)
+        if nb < need:
+            return "short", f"its {nb:,}-block KV pool holds at most {mc:,} tokens, not {target:,}", nb, mc
+        return "boots", "boots", nb, mc
+
+    status, why, nb, mc = at(gpu_memory_utilization)
+    best_u = None
+    best = ("free", "does not boot at any utilization", 0, 0)
+    for k in range(99, 0, -1):
+        res = at(k / 100)
+        if res[0] != "free":
+            best_u, best = k / 100, res
+            break
+    return StockEstimate(
+        gpu_memory_utilization=gpu_memory_utilization,
+        boots=status == "boots",
+        reason=why,
+        order=[g.index for g in used],
+        partition=part,
+        num_blocks=nb,
+        max_context_tokens=mc,
+        pool_tokens=ctx.kv.pool_tokens(nb, target) if nb else 0,
+        best_utilization=best_u,
+        best_num_blocks=best[2],
+        best_pool_tokens=ctx.kv.pool_tokens(best[2], target) if best[2] else 0,
+        best_max_context_tokens=best[3],
+        best_boots=best[0] == "boots",
+        best_reason=best[1],
+    )
