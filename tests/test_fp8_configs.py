@@ -142,7 +142,8 @@ def test_search_order_user_then_package_then_vllm(tmp_path, monkeypatch):
     assert dirs == [(fc.USER, user1), (fc.USER, user2), (fc.PACKAGE, pkg), (fc.VLLM, vllm_dir)]
 
     write_cfg(vllm_dir, 10, 20, "CARD")
-    assert fc.find_config(10, 20, 128, 128, "CARD", dirs)[0] == fc.Found(fc.VLLM, vllm_dir / fc.config_file_name(10, 20, "CARD"))
+    expected = fc.Found(fc.VLLM, vllm_dir / fc.config_file_name(10, 20, "CARD"))
+    assert fc.find_config(10, 20, 128, 128, "CARD", dirs)[0] == expected
     write_cfg(pkg, 10, 20, "CARD")
     assert fc.find_config(10, 20, 128, 128, "CARD", dirs)[0].source == fc.PACKAGE
     write_cfg(user2, 10, 20, "CARD")

@@ -47,7 +47,12 @@ class DualGpuExecutor(MultiprocExecutor):
                 )
             from vllm_dualgpu.apply import apply_plan
 
+            from vllm_dualgpu.kernels.flashinfer import apply_flashinfer_autotune_policy
+
             self.dualgpu = apply_plan(self.vllm_config)
+            apply_flashinfer_autotune_policy(
+                self.vllm_config.kernel_config, [g.capability for g in self.dualgpu.gpus]
+            )
             # Workers inherit the environment; worker-side patches act only where it is set.
             os.environ[ACTIVE_ENV] = "1"
         super()._init_executor()

@@ -61,7 +61,10 @@ class DualGpuWorker(Worker):
         self._install_native_hooks()
 
     def _install_native_hooks(self) -> None:
-        """Per-device dispatch in vLLM's compiled library (see docs/sm-hook.md)."""
+        """This rank's CuTe DSL target, and per-device dispatch in vLLM's compiled library."""
+        from vllm_dualgpu.kernels.flashinfer import set_cute_dsl_arch_for_current_device
+
+        set_cute_dsl_arch_for_current_device()
         try:
             from vllm_dualgpu.kernels.sm_hook import install_sm_hook
         except ImportError as exc:  # the extension did not build or is missing

@@ -145,8 +145,8 @@ def run(res: dict, out_dir: Path) -> None:
         try:
             scaled_mm(d)
             return "ran (the op did not read the slot)"
-        except RuntimeError as exc:
-            return f"refused: {str(exc).splitlines()[0][:200]}"
+        except Exception as exc:  # vLLM's TORCH_CHECK: RuntimeError / NotImplementedError
+            return f"refused: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
 
     res["scaled_mm_probe"] = per_device(devices, probed)
     again = install_sm_hook()

@@ -771,17 +771,17 @@ def _graph_or_loop(fns: list[Callable[[], None]]):
         return loop, False
 
 
-def time_rotating(a: Callable[[], None], b: Callable[[], None], per_call: int, reps: int) -> tuple[list[float], list[float]]:
+def time_rotating(a: Callable[[], None], b: Callable[[], None], per_call: int,
+                  reps: int) -> tuple[list[float], list[float]]:
     """Interleaved timings (ms per GEMM) of two replays that each run ``per_call`` GEMMs."""
     import torch
 
     ta, tb = [], []
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(4)]
+    s1, e1, s2, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(4))
     for _ in range(3):
         a()
         b()
     for _ in range(reps):
-        (s1, e1), (s2, e2) = events[0], events[1]
         s1.record(); a(); e1.record()  # noqa: E702
         s2.record(); b(); e2.record()  # noqa: E702
         torch.cuda.synchronize()
