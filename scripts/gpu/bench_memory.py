@@ -25,6 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpurun import GiB, NvmlSampler, ballast, grep, kill, start, wait_for  # noqa: E402
 
 FREE = [32.0, 16.0]
+# Every run takes vLLM's Triton block-FP8 GEMM (the kernel the reference small card uses), so
+# each rank's tuned-config lookup shows in the log; the same for stock and plugin runs.
+TRITON_ONLY = {"VLLM_DISABLED_KERNELS": ",".join([
+    "FlashInferFp8DeepGEMMDynamicBlockScaledKernel", "DeepGemmFp8BlockScaledMMKernel",
+    "CutlassFp8BlockScaledMMKernel", "B12xFp8BlockScaledMMKernel", "MarlinFP8ScaledMMLinearKernel",
+    "HummingFP8ScaledMMLinearKernel"])}
 KV_LINE = r"GPU KV cache size: ([\d,]+) tokens"
 FAIL = r"Traceback|Error|error:"
 
@@ -35,7 +41,7 @@ def run(name, kwargs, out: Path, env=None, stop_at_kv=False, prompts=None, timeo
     if prompts:
         cmd.append(json.dumps(prompts))
     plan_file = out / "logs" / f"{name}.plan.json"
-    env = {**(env or {}), "VLLM_DUALGPU_PLAN_FILE": str(plan_file)}
+    env = {**TRITON_ONLY, **(env or {}), "VLLM_DUALGPU_PLAN_FILE": str(plan_file)}
     t0 = time.time()
     with NvmlSampler() as s:
         base = s.used()
@@ -57,6 +63,7 @@ def run(name, kwargs, out: Path, env=None, stop_at_kv=False, prompts=None, timeo
     r["peak_used_gib"] = [round((pk - b) / GiB, 3) for pk, b in zip(s.peak, base)]
     r["rank_lines"] = grep(log, r"vllm-dualgpu rank \d")
     r["plan_line"] = grep(log, r"vllm-dualgpu plan:")
+    r["fp8_lines"] = grep(log, r"(?i)fp8 config|fp8-configs|Selected \w+ for")[:8]
     r["errors"] = [l[-400:] for l in grep(log, r"ValueError|does not fit|less than desired")][:3]
     if plan_file.exists():
         r["plan"] = json.loads(plan_file.read_text())

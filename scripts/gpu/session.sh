@@ -31,6 +31,10 @@ declare -A CMD=(
 # soak: ~2 min boot + 10 min of load + drain, longer than one 10-minute command: run it detached.
 declare -A LIMIT=([smoke]=420 [hook]=90 [fp8]=330 [mem]=560 [spec]=300 [e2e]=540 [e2e-full]=590
                   [soak]=800 [suite]=590)
+# Configs tuned by the fp8 stage earlier on this machine are what the plugin's lookup reads.
+if [ -d "$WORK/fp8/configs" ] && [ -z "${VLLM_DUALGPU_KERNEL_CONFIGS:-}" ]; then
+  export VLLM_DUALGPU_KERNEL_CONFIGS="$WORK/fp8/configs"
+fi
 status=0
 for stage in "$@"; do
   dir="$WORK/$stage"; rm -rf "$dir"; mkdir -p "$dir"
@@ -43,6 +47,7 @@ for stage in "$@"; do
   # Anything a stage left behind (vLLM workers, ballast) must not leak into the next one.
   pkill -9 -f 'boot_llm.py|e2e_correctness.py|vllm serve|ballast.py|VLLM::' 2>/dev/null; sleep 1
   find "$dir" -maxdepth 1 \( -name '*.json' -o -name '*.md' -o -name '*.png' -o -name '*.xml' \) -size -4M -exec cp {} "$OUT/" \;
-  tar czf "$OUT/$stage-logs.tar.gz" -C "$WORK" --exclude='models' --exclude='*.safetensors' "$stage"
 done
+# One archive with every stage's logs (results come back as a few files only).
+tar czf "$OUT/logs.tar.gz" -C "$WORK" --exclude='models' --exclude='*.safetensors' "$@"
 exit $status
