@@ -260,3 +260,29 @@ def test_22_serve_exits_cleanly(tiny_model_dir, case, env, backend, message):
     assert rc != 0, out[-2000:]
     assert message in out, out[-3000:]
     assert not leftover, f"processes of the {case} run were still alive after it exited"
+
+
+def test_23_out_of_memory_in_warm_up_exits_with_advice(monkeypatch, caplog):
+    """A rank that runs out of memory after KV sizing must end, not leave its peer waiting."""
+    import torch
+
+    from vllm_dualgpu import worker as w
+
+    caplog.set_level(logging.ERROR, logger="vllm.dualgpu")
+    logging.getLogger("vllm.dualgpu").propagate = True
+    monkeypatch.setenv(envs.RANK_RESERVES, f"0,{256 * 1024**2}")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (441 * 1024**2, 140 * GiB))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "NVIDIA H200")
+
+    def fake_exit(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(w.os, "_exit", fake_exit)
+    worker = object.__new__(w.DualGpuWorker)
+    worker.rank, worker.device = 1, "cuda:1"
+    with pytest.raises(SystemExit) as done:
+        worker._exit_on_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 544.00 MiB"))
+    assert done.value.code == 1
+    msg = caplog.records[-1].getMessage()
+    assert "rank 1 (NVIDIA H200) ran out of memory during warm-up" in msg
+    assert "Tried to allocate 544.00 MiB" in msg and "VLLM_DUALGPU_RESERVE (e.g. 1.25 GiB)" in msg

@@ -7,7 +7,9 @@ import re
 
 # Per-GPU memory kept free for other programs (a desktop, a browser), in visible-GPU order.
 RESERVE = "VLLM_DUALGPU_RESERVE"
-DEFAULT_RESERVE_BYTES = 256 * 1024**2
+# 1 GiB: at 256 MiB an H200 pair ran out of memory in FlashInfer autotune's warm-up runs
+# (docs/benchmarks.md); llama.cpp's --fit keeps the same margin by default.
+DEFAULT_RESERVE_BYTES = 1024**3
 # What the split search maximises: pool (default), speed or auto (see docs/planner.md).
 OBJECTIVE = "VLLM_DUALGPU_OBJECTIVE"
 # Where the executor writes the plan it applied, as JSON (optional).

@@ -31,6 +31,12 @@ class DualGpuExecutor(MultiprocExecutor):
     supports_pp: bool = True
 
     def _init_executor(self) -> None:
+        from vllm_dualgpu import plugin
+        from vllm_dualgpu.process import ENGINE
+
+        # With LLM(...) vLLM forks EngineCore, which then skips general plugins: apply the
+        # engine-side patches here (a no-op where register() already did).
+        plugin.ensure(frozenset({ENGINE}))
         self.dualgpu = None
         why_not = planning_applies(self.parallel_config)
         if why_not is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import threading
 
 from vllm_dualgpu._version import SUPPORTED_VLLM, __version__
@@ -11,7 +12,10 @@ from vllm_dualgpu.patches.core import ALREADY, APPLIED, Outcome, apply_patch, ve
 from vllm_dualgpu.process import WORKER, current_process_kinds, dualgpu_active, process_label
 
 _lock = threading.Lock()
-_outcomes: list[Outcome] | None = None
+# What this process applied: {"pid", "kinds", "outcomes"}. Keyed by pid because vLLM forks its
+# engine and worker processes by default (``LLM(...)``): a forked child inherits the parent's
+# state, and vLLM's own "plugins already loaded" flag keeps it from calling register() again.
+_state: dict = {"pid": None, "kinds": frozenset(), "outcomes": None}
 
 
 def installed_vllm_version() -> str:
@@ -28,27 +32,41 @@ def select_patches(kinds: frozenset[str], active: bool):
 
 
 def register() -> list[Outcome]:
-    """Apply the patches for this process once; later calls return the first result."""
-    global _outcomes
+    """Entry point body: apply the patches for this process once and log one line."""
+    return ensure(current_process_kinds())
+
+
+def ensure(kinds: frozenset[str]) -> list[Outcome]:
+    """Apply the patches of `kinds` in this process unless done already (idempotent).
+
+    register() calls it with the kinds read from the process name; the executor (EngineCore)
+    and the worker class call it with their own kind, which covers forked processes where
+    vLLM does not run plugins again.
+    """
     with _lock:
-        if _outcomes is not None:
-            return _outcomes
-        kinds = current_process_kinds()
-        where = process_label(kinds)
+        if _state["pid"] != os.getpid():
+            _state.update(pid=os.getpid(), kinds=frozenset(), outcomes=None)
+        new = frozenset(kinds) - _state["kinds"]
+        if _state["outcomes"] is not None and not new:
+            return _state["outcomes"]
+        _state["kinds"] = _state["kinds"] | new
+        where = process_label(_state["kinds"])
         version = installed_vllm_version()
         if not version_in_range(version, SUPPORTED_VLLM):
-            logger.warning(
-                "vllm-dualgpu %s supports vLLM %s, found %s: no patches applied and the "
-                "'dualgpu' executor is unavailable in this process (%s). Install a vllm-dualgpu "
-                "release made for vLLM %s, or vllm==0.30.0.",
-                __version__, SUPPORTED_VLLM, version, where, version,
-            )
-            _outcomes = []
-            return _outcomes
+            if _state["outcomes"] is None:
+                logger.warning(
+                    "vllm-dualgpu %s supports vLLM %s, found %s: no patches applied and the "
+                    "'dualgpu' executor is unavailable in this process (%s). Install a "
+                    "vllm-dualgpu release made for vLLM %s, or vllm==0.30.0.",
+                    __version__, SUPPORTED_VLLM, version, where, version,
+                )
+            _state["outcomes"] = []
+            return _state["outcomes"]
         active = dualgpu_active()
-        _outcomes = [apply_patch(p, version) for p in select_patches(kinds, active)]
-        _log_summary(where, version, active, _outcomes)
-        return _outcomes
+        outcomes = [apply_patch(p, version) for p in select_patches(new, active)]
+        _state["outcomes"] = (_state["outcomes"] or []) + outcomes
+        _log_summary(where, version, active, outcomes)
+        return _state["outcomes"]
 
 
 def _log_summary(where: str, version: str, active: bool, outcomes: list[Outcome]) -> None:
@@ -69,6 +87,5 @@ def _log_summary(where: str, version: str, active: bool, outcomes: list[Outcome]
 
 
 def _reset_for_tests() -> None:
-    global _outcomes
     with _lock:
-        _outcomes = None
+        _state.update(pid=None, kinds=frozenset(), outcomes=None)

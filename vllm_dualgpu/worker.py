@@ -10,6 +10,8 @@ and activations from that budget, so the KV pool of each rank is measured, not g
 from __future__ import annotations
 
 import os
+import re
+import sys
 
 import torch
 from vllm.v1.worker.gpu_worker import Worker
@@ -28,11 +30,25 @@ def rank_budget(free: int, total: int, reserve: int, cap: int | None) -> int:
     return budget
 
 
+def _oom_detail(exc: BaseException) -> str:
+    m = re.search(r"Tried to allocate [\d.]+ \w+", str(exc))
+    return m.group(0) if m else str(exc).split(". ")[0]
+
+
 def _gib(n: int | float) -> str:
     return f"{n / GiB:.2f} GiB"
 
 
 class DualGpuWorker(Worker):
+    def __init__(self, *args, **kwargs):
+        from vllm_dualgpu import plugin
+        from vllm_dualgpu.process import WORKER
+
+        # Forked workers (vLLM's default outside `vllm serve`) skip general plugins: apply the
+        # worker patches here, before the device and the model exist (no-op if already done).
+        plugin.ensure(frozenset({WORKER}))
+        super().__init__(*args, **kwargs)
+
     def init_device(self):
         # vLLM refuses to boot when free < utilization x total. The real budget is set right
         # after the snapshot below, so pass that check with the smallest legal share first.
@@ -78,9 +94,31 @@ class DualGpuWorker(Worker):
             rank_summary.note("sm-hook", f"failed: {exc}")
 
     def compile_or_warm_up_model(self):
-        result = super().compile_or_warm_up_model()
+        try:
+            result = super().compile_or_warm_up_model()
+        except torch.OutOfMemoryError as exc:
+            self._exit_on_oom(exc)
         self._log_summary()
         return result
+
+    def _exit_on_oom(self, exc: BaseException) -> None:
+        """Out of memory in warm-up: say what to change and end this worker.
+
+        Returning the error is not enough: the other rank waits in a pipeline receive for this
+        one, so the engine would wait forever. A dead worker makes vLLM shut the engine down.
+        """
+        free, total = torch.cuda.mem_get_info(self.device)
+        reserve = envs.rank_values(envs.RANK_RESERVES, self.rank) or 0
+        logger.error(
+            "vllm-dualgpu rank %d (%s) ran out of memory during warm-up, after the KV cache was "
+            "sized (%s free of %s; reserve %s): %s. Keep more free on this GPU: raise its "
+            "value in %s (e.g. %s), or lower --max-num-batched-tokens / --max-num-seqs.",
+            self.rank, torch.cuda.get_device_name(self.device), _gib(free), _gib(total),
+            _gib(reserve), _oom_detail(exc), envs.RESERVE, _gib(reserve + GiB),
+        )
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
     def _log_summary(self) -> None:
         free, total = torch.cuda.mem_get_info(self.device)

@@ -1,20 +1,21 @@
 #!/usr/bin/env python3
 """Issue #3 benchmark: stock vLLM vs vllm-dualgpu on an emulated 32 GiB + 16 GiB pair.
 
-    python scripts/gpu/bench_memory.py OUTDIR [--quick]
+    python scripts/gpu/bench_memory.py OUTDIR [--full-sweep]
 
 GPU 0 keeps 32 GiB free and GPU 1 16 GiB (ballast processes hold the rest), so the BIG card
 comes first in PCI order and the plugin has to reorder. Model: Qwen3-14B-class shapes with
 block-FP8 weights (dummy), bf16 KV, eager mode, max_model_len 32768 in every run.
 Runs: stock (mp) at utilization 0.90 / 0.11 / 0.10; the plugin with no extra flags (full boot
 and a generation); the plugin over a sweep of layer splits (stopped once the KV pool is
-known); the plugin with the model's full 262,144 context (must fail with the largest that fits).
+known: the plugin's split +-2 layers and the even split; --full-sweep adds +-4 and +-6); the plugin with the model's full 262,144 context (must fail with the largest that fits).
 Writes OUTDIR/bench_memory.json and OUTDIR/bench_memory.md.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -35,7 +36,7 @@ KV_LINE = r"GPU KV cache size: ([\d,]+) tokens"
 FAIL = r"Traceback|Error|error:"
 
 
-def run(name, kwargs, out: Path, env=None, stop_at_kv=False, prompts=None, timeout=420):
+def run(name, kwargs, out: Path, env=None, stop_at_kv=False, prompts=None, timeout=240):
     log = out / "logs" / f"{name}.log"
     cmd = [sys.executable, str(Path(__file__).parent / "boot_llm.py"), json.dumps(kwargs)]
     if prompts:
@@ -73,7 +74,7 @@ def run(name, kwargs, out: Path, env=None, stop_at_kv=False, prompts=None, timeo
 
 def main() -> int:
     out = Path(sys.argv[1])
-    quick = "--quick" in sys.argv
+    full_sweep = "--full-sweep" in sys.argv
     model = out / "models" / "qwen3-14b-fp8"
     subprocess.run([sys.executable, str(Path(__file__).parent / "make_model.py"), "qwen3-14b-fp8", str(model)], check=True)
     base = {"model": str(model), "load_format": "dummy", "enforce_eager": True,
@@ -81,21 +82,23 @@ def main() -> int:
     prompts = [[1 + (i * 7 + j) % 900 for j in range(64 + 40 * i)] for i in range(4)]
     results = []
     with ballast(FREE, out / "logs"):
-        for u in (0.90, 0.11, 0.10):
+        for u in (() if os.environ.get("BENCH_SKIP_STOCK") else (0.90, 0.11, 0.10)):
             results.append(run(f"stock_u{u:.2f}", {**base, "distributed_executor_backend": "mp",
                                                    "gpu_memory_utilization": u}, out, stop_at_kv=True))
         plugin = run("dualgpu", {**base, "distributed_executor_backend": "dualgpu"}, out, prompts=prompts)
         results.append(plugin)
-        chosen = (plugin.get("plan") or {}).get("partition")
-        splits = [[8, 32], [12, 28], [16, 24], [20, 20]] if quick else [[6, 34], [8, 32], [10, 30], [12, 28], [14, 26], [16, 24], [20, 20]]
+        chosen = (plugin.get("plan") or {}).get("partition") or [12, 28]
+        steps = (-2, 2) if not full_sweep else (-6, -4, -2, 2, 4, 6)
+        splits = [[chosen[0] + d, 40 - chosen[0] - d] for d in steps if 0 < chosen[0] + d < 40]
+        if [20, 20] not in splits and chosen != [20, 20]:
+            splits.append([20, 20])
         for sp in splits:
-            if sp == chosen:
-                continue
             results.append(run(f"split_{sp[0]}_{sp[1]}", {**base, "distributed_executor_backend": "dualgpu"}, out,
                                env={"VLLM_PP_LAYER_PARTITION": f"{sp[0]},{sp[1]}"}, stop_at_kv=True))
         full = {**base, "distributed_executor_backend": "dualgpu"}
         full.pop("max_model_len")
-        results.append(run("dualgpu_full_context", full, out, stop_at_kv=True))
+        if not os.environ.get("BENCH_SKIP_FULL_CONTEXT"):
+            results.append(run("dualgpu_full_context", full, out, stop_at_kv=True))
     (out / "bench_memory.json").write_text(json.dumps(results, indent=1))
     (out / "bench_memory.md").write_text(table(results))
     print(table(results))

@@ -29,7 +29,7 @@ def main() -> int:
     model = out / "models" / preset
     subprocess.run([sys.executable, str(Path(__file__).parent / "make_model.py"), preset, str(model)], check=True)
     log = out / "serve_smoke.log"
-    cmd = ["vllm", "serve", str(model), "--pipeline-parallel-size", "2",
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model), "--pipeline-parallel-size", "2",
            "--distributed-executor-backend", "dualgpu", "--load-format", "dummy",
            "--max-model-len", "4096", "--enforce-eager", "--port", str(PORT)]
     t0 = time.time()

@@ -7,7 +7,8 @@
 set -uo pipefail
 : "${OUT:?set OUT to the results folder}"
 [ -f "${GPUKIT_ENV:-/tmp/gpukit/env.sh}" ] && source "${GPUKIT_ENV:-/tmp/gpukit/env.sh}"
-SITE=${DUALGPU_SITE:-/tmp/gpukit/site}
+SITE=${DUALGPU_SITE:-/tmp/dualgpu-site}
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PATH="$SITE/bin:$PATH"
 WORK=${DUALGPU_WORK:-/tmp/dualgpu-work}
 mkdir -p "$WORK" "$OUT"
 t0=$(date +%s)

@@ -1,0 +1,83 @@
+"""Forked vLLM processes (LLM(...) forks EngineCore and workers) still get their own patches.
+
+Found on the GPU machine: with fork, vLLM's "plugins loaded" flag is inherited, so register()
+never ran in EngineCore or the workers and their patches were missing. The executor and the
+worker class now call plugin.ensure() for their own process kind.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+from vllm_dualgpu.patches.registry import PATCHES
+
+CHILD = textwrap.dedent(
+    """
+    import os
+    from vllm_dualgpu import plugin
+    plugin.register()                       # the front end (MainProcess)
+    os.environ["VLLM_DUALGPU_ACTIVE"] = "1"  # what DualGpuExecutor sets before its workers start
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        first = plugin.ensure(frozenset({"worker"}))
+        again = plugin.ensure(frozenset({"worker"}))
+        msg = ",".join(sorted(o.patch.name for o in first)) + "|" + str(again is first)
+        os.write(w, msg.encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    print("CHILD " + os.read(r, 100000).decode())
+    print("PARENT " + ",".join(sorted(o.patch.name for o in plugin.ensure(frozenset({"frontend"})))))
+    """
+)
+
+
+def test_forked_worker_applies_worker_patches_once():
+    r = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    child = next(l for l in r.stdout.splitlines() if l.startswith("CHILD ")).split(" ", 1)[1]
+    names, same = child.split("|")
+    worker_patches = sorted(p.name for p in PATCHES if "worker" in p.processes)
+    frontend_only = sorted(p.name for p in PATCHES if p.processes == ("frontend",))
+    assert names.split(",") == worker_patches
+    assert same == "True"  # the second ensure() is a no-op
+    parent = next(l for l in r.stdout.splitlines() if l.startswith("PARENT ")).split(" ", 1)[1]
+    assert parent.split(",") == frontend_only  # the parent's record is its own
+    logs = r.stdout + r.stderr
+    assert sum("vllm-dualgpu 0.1.0 (worker, vLLM" in l for l in logs.splitlines()) == 1
+    assert sum("vllm-dualgpu 0.1.0 (frontend, vLLM" in l for l in logs.splitlines()) == 1
+
+
+def test_worker_class_ensures_patches_before_vllm_builds_it(monkeypatch):
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from vllm_dualgpu import plugin
+    from vllm_dualgpu.worker import DualGpuWorker
+
+    calls = []
+    monkeypatch.setattr(plugin, "ensure", lambda kinds: calls.append(("ensure", set(kinds))))
+    monkeypatch.setattr(Worker, "__init__", lambda self, *a, **k: calls.append(("init", a, k)))
+    DualGpuWorker("cfg", local_rank=1, rank=1)
+    assert calls == [("ensure", {"worker"}), ("init", ("cfg",), {"local_rank": 1, "rank": 1})]
+
+
+def test_executor_ensures_engine_patches_first(monkeypatch):
+    from types import SimpleNamespace
+
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    from vllm_dualgpu import plugin
+    from vllm_dualgpu.executor import DualGpuExecutor
+
+    calls = []
+    monkeypatch.setattr(plugin, "ensure", lambda kinds: calls.append(("ensure", set(kinds))))
+    monkeypatch.setattr(MultiprocExecutor, "_init_executor", lambda self: calls.append(("spawn",)))
+    ex = object.__new__(DualGpuExecutor)
+    ex.parallel_config = SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=1,
+                                         data_parallel_size=1, nnodes=1)
+    ex._init_executor()
+    assert calls == [("ensure", {"engine"}), ("spawn",)]
