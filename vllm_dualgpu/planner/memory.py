@@ -13,10 +13,12 @@ measures at boot (``gpu_worker.determine_available_memory``):
 * CUDA graphs, which vLLM estimates and subtracts (``cudagraph_bytes``; 0 with
   ``--enforce-eager``).
 
-Calibration point (from the project's measurement on two H200s with ballast, 14B-class dense
-Qwen3, fp8 weights, bf16 KV): stock vLLM at ``--gpu-memory-utilization 0.10`` got 2,172 blocks
-with an even 20/20 split, i.e. about 3.8 GiB of runtime memory on the last rank beyond weights and
-KV. The defaults below predict within about 20% of that; see docs/planner.md.
+Calibration (docs/benchmarks.md, 2026-11-30, two H200s with ballast leaving 16 and 32 GiB, a
+14B-class dense Qwen3 with block-FP8 weights, bf16 KV, eager, 16,384 batched tokens, 1,024
+sequences): besides weights and KV, a first rank used 3.93-4.05 GiB and the last rank
+4.84-4.99 GiB of the card's free memory, over four layer splits. The defaults below reproduce
+that (CUDA context + NCCL 1.4 GiB, activations 2.35 GiB, workspaces 0.25 GiB, sampler 0.85 GiB
+on the last rank). They were fitted to those runs and not yet checked on other models or cards.
 """
 
 from __future__ import annotations
@@ -33,13 +35,14 @@ GIB = 1 << 30
 class MemoryModel:
     """Per-rank runtime costs; every field is a knob to calibrate against a real boot."""
 
-    cuda_context_bytes: int = 1 * GIB
+    #: what a worker's own CUDA context and NCCL take before vLLM's snapshot (measured ~1.4 GiB)
+    cuda_context_bytes: int = int(1.4 * GIB)
     workspace_bytes: int = 256 * MIB
     cudagraph_bytes: int = 512 * MIB
     #: activation bytes per batched token per unit of (4 x widest intermediate + 8 x hidden)
-    activation_element_bytes: int = 2
-    #: bytes per (sequence x vocabulary entry) at the sampler: bf16 logits + ~4 fp32 copies
-    sampler_bytes_per_logit: int = 18
+    activation_element_bytes: float = 1.39
+    #: bytes per (sequence x vocabulary entry) the last rank's sampler adds to the forward pass
+    sampler_bytes_per_logit: float = 6.0
     #: image patches the vision encoder's profile pass runs (about one 4-megapixel image)
     vision_profile_patches: int = 16384
 
@@ -50,12 +53,12 @@ class MemoryModel:
 def activation_bytes(model: ModelSpec, num_tokens: int, mm: MemoryModel) -> int:
     """Transient peak of one forward pass over ``num_tokens`` batched tokens."""
     per_token = mm.activation_element_bytes * (4 * model.activation_width + 8 * model.hidden_size)
-    return num_tokens * per_token
+    return int(num_tokens * per_token)
 
 
 def sampler_bytes(model: ModelSpec, num_seqs: int, mm: MemoryModel) -> int:
     """Peak of the sampler's dummy run on the last rank (logits for ``num_seqs`` requests)."""
-    return num_seqs * model.vocab_size * mm.sampler_bytes_per_logit
+    return int(num_seqs * model.vocab_size * mm.sampler_bytes_per_logit)
 
 
 def vision_bytes(model: ModelSpec, mm: MemoryModel) -> int:
@@ -63,7 +66,7 @@ def vision_bytes(model: ModelSpec, mm: MemoryModel) -> int:
     if not model.has_vision:
         return 0
     p = mm.vision_profile_patches
-    act = p * mm.activation_element_bytes * (4 * model.vision_intermediate_size + 8 * model.vision_hidden_size)
+    act = int(p * mm.activation_element_bytes * (4 * model.vision_intermediate_size + 8 * model.vision_hidden_size))
     cached = (p // 4) * model.vision_out_hidden_size * 2
     return act + cached
 
@@ -81,16 +84,17 @@ def runtime_reserve(
 ) -> dict[str, int]:
     """Runtime reserve of one rank, itemised (``sum(values)`` is the reserve).
 
-    The profile run's transient peak is the largest of the forward pass, the sampler (last rank)
-    and the vision encoder pass (rank 0): they run one after the other.
+    The profile run's transient peak is the larger of the forward pass and the vision encoder
+    pass (rank 0), which run one after the other; the last rank's sampler comes on top of the
+    forward pass (measured: the last rank needs ~0.9 GiB more than a first rank).
     """
     peaks = {"activations": activation_bytes(model, max_num_batched_tokens, mm)}
-    if last:
-        peaks["sampler"] = sampler_bytes(model, max_num_seqs, mm)
     if first and vision:
         peaks["vision_encoder"] = vision_bytes(model, mm)
     top = max(peaks, key=lambda k: peaks[k])
     parts = {top: peaks[top], "workspaces": mm.workspace_bytes}
+    if last:
+        parts["sampler"] = sampler_bytes(model, max_num_seqs, mm)
     parts["cuda_graphs"] = 0 if enforce_eager else mm.cudagraph_bytes
     return {k: v for k, v in parts.items() if v}
 
