@@ -21,6 +21,12 @@ TINY = {
 
 
 @pytest.fixture(autouse=True)
+def _no_reserve_env(monkeypatch):
+    """The hand-computed cases below keep nothing free unless they say reserve=."""
+    monkeypatch.setenv("VLLM_DUALGPU_RESERVE", "0")
+
+
+@pytest.fixture(autouse=True)
 def _no_partition_env(monkeypatch):
     monkeypatch.delenv("VLLM_PP_LAYER_PARTITION", raising=False)
 
@@ -55,7 +61,8 @@ def test_json_output_matches_the_planner(capsys):
     rc, out, _ = run_cli(capsys, "--json")
     assert rc == 0
     d = json.loads(out)
-    want = plan(ModelSpec.from_hf_config(reference_config()), parse_gpus("RTX 5090:reserve=1GiB,RTX 4070 Ti SUPER"),
+    # The reference pair with VLLM_DUALGPU_RESERVE=0 (the autouse fixture).
+    want = plan(ModelSpec.from_hf_config(reference_config()), parse_gpus("RTX 5090,RTX 4070 Ti SUPER"),
                 PlanRequest(kv_cache_dtype="fp8", max_num_seqs=0))
     assert d["plan"]["partition"] == want.partition and d["plan"]["order"] == [1, 0]
     assert d["plan"]["num_blocks"] == want.num_blocks
@@ -168,3 +175,15 @@ def test_bad_arguments_exit_2(capsys):
         assert msg in err, (argv, err)
     with pytest.raises(SystemExit):
         main(["plan", "--speculative-config", "{not json"])
+
+
+def test_gpus_without_reserve_get_the_executors_default(capsys, monkeypatch):
+    """plan keeps free what the executor would: VLLM_DUALGPU_RESERVE, else 1 GiB a card."""
+    monkeypatch.delenv("VLLM_DUALGPU_RESERVE")
+    rc, out, _ = run_cli(capsys, "--gpus", "RTX 4070 Ti SUPER,RTX 5090:reserve=2GiB", "--json")
+    ranks = {r["gpu"]["name"]: r["gpu"]["reserve_bytes"] for r in json.loads(out)["plan"]["ranks"]}
+    assert ranks == {"RTX 4070 Ti SUPER": 1 << 30, "RTX 5090": 2 << 30}
+    monkeypatch.setenv("VLLM_DUALGPU_RESERVE", "512MiB,0")
+    rc, out, _ = run_cli(capsys, "--gpus", "RTX 4070 Ti SUPER,RTX 5090", "--json")
+    ranks = {r["gpu"]["name"]: r["gpu"]["reserve_bytes"] for r in json.loads(out)["plan"]["ranks"]}
+    assert ranks == {"RTX 4070 Ti SUPER": 512 << 20, "RTX 5090": 0}

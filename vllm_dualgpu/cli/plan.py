@@ -172,7 +172,29 @@ def _read_config(model: str) -> tuple[dict, str]:
         raise _Fail(f"cannot read {cfg}: {e}") from None
 
 
+def _with_default_reserves(gpus, spec: str | None):
+    """GPUs whose --gpus entry names no reserve= get what the executor would keep free on them:
+    VLLM_DUALGPU_RESERVE, else its default (1 GiB a card)."""
+    from dataclasses import replace
+
+    from vllm_dualgpu import envs
+
+    try:
+        defaults = envs.parse_reserve(os.environ.get(envs.RESERVE), len(gpus))
+    except ValueError as e:
+        raise _Fail(str(e)) from None
+    entries = [e for e in spec.split(",") if e.strip()] if spec else [""] * len(gpus)
+    return [g if "reserve=" in entry else replace(g, reserve_bytes=r)
+            for g, entry, r in zip(gpus, entries, defaults)]
+
+
 def _gpus(args, have_model: bool):
+    gpus, notes = _gpus_as_given(args, have_model)
+    explicit = args.gpus if args.gpus and args.gpus.strip().lower() != "local" else None
+    return _with_default_reserves(gpus, explicit), notes
+
+
+def _gpus_as_given(args, have_model: bool):
     from vllm_dualgpu.planner import parse_gpus, reference_pair
 
     notes = []

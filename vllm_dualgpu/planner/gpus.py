@@ -198,9 +198,10 @@ def parse_gpus(spec: str) -> list[GpuFacts]:
 
 
 def reference_pair() -> list[GpuFacts]:
-    """The reference box: an RTX 5090 at CUDA index 0 that also drives the desktop (1 GiB left
-    free for it) and an RTX 4070 Ti SUPER at index 1, both otherwise empty."""
-    return parse_gpus("RTX 5090:reserve=1GiB,RTX 4070 Ti SUPER")
+    """The reference box: an RTX 5090 at CUDA index 0 and an RTX 4070 Ti SUPER at index 1, both
+    empty. No reserve: `vllm-dualgpu plan` adds the executor's (VLLM_DUALGPU_RESERVE, else
+    1 GiB a card)."""
+    return parse_gpus("RTX 5090,RTX 4070 Ti SUPER")
 
 
 def from_nvml() -> list[GpuFacts]:  # pragma: no cover - needs a GPU driver
