@@ -85,7 +85,8 @@ def main() -> int:
         for u in (() if os.environ.get("BENCH_SKIP_STOCK") else (0.90, 0.11, 0.10)):
             results.append(run(f"stock_u{u:.2f}", {**base, "distributed_executor_backend": "mp",
                                                    "gpu_memory_utilization": u}, out, stop_at_kv=True))
-        plugin = run("dualgpu", {**base, "distributed_executor_backend": "dualgpu"}, out, prompts=prompts)
+        plugin = run("dualgpu", {**base, "distributed_executor_backend": "dualgpu"}, out, prompts=prompts,
+                     timeout=420)
         results.append(plugin)
         chosen = (plugin.get("plan") or {}).get("partition") or [12, 28]
         steps = (-2, 2) if not full_sweep else (-6, -4, -2, 2, 4, 6)
