@@ -105,8 +105,12 @@ def test_shipped_configs_are_the_seed_set_and_valid():
     assert "Apache-2.0" in readme
 
 
-def test_package_folder_is_found():
-    assert fc.package_config_dir().resolve() == SHIPPED.resolve()
+def test_package_folder_is_found_and_holds_the_shipped_files():
+    """Editable or wheel install: the package's folder has every file of kernel_configs/."""
+    found = fc.package_config_dir()
+    shipped = {p.name: p.read_bytes() for p in SHIPPED.iterdir() if p.suffix in (".json", ".md")}
+    installed = {p.name: p.read_bytes() for p in found.iterdir() if p.suffix in (".json", ".md")}
+    assert len(shipped) >= 11 and installed == shipped
 
 
 # ---- validation -----------------------------------------------------------------------------

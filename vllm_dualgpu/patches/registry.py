@@ -318,6 +318,44 @@ PATCHES: tuple[Patch, ...] = (
         params=("self", "vllm_config", "modalities", "targets"),
         issue="#6",
     ),
+    Patch(
+        name="dflash-quantized-context-kv-build",
+        target="vllm.model_executor.models.qwen3_dflash:DFlashQwen3Model._build_context_kv_buffers",
+        processes=(WORKER,),
+        vllm_versions=V030,
+        why=(
+            "At load time the DFlash drafter concatenates every layer's raw qkv_proj.weight for "
+            "its one-GEMM context K/V projection; a quantized projection has no such tensor "
+            "(packed W4A16 holds weight_packed, so loading raises AttributeError; FP8 holds a "
+            "weight F.linear cannot use). Under dualgpu, when a projection is quantized, the "
+            "build keeps references to the projections instead; unquantized drafters are "
+            "built as in vLLM. Inherited by DFlash2 and Qwen3 DSpark drafters."
+        ),
+        upstream="none known (seed patch 09 of the reference setup; vLLM 0.33 changed this "
+        "code)",
+        remove_when="the supported vLLM projects DFlash context K/V through the layers' quant "
+        "methods",
+        factory="vllm_dualgpu.patches.qwen3_dflash:wrap_build_context_kv_buffers",
+        params=("self", "layers_attn", "has_bias"),
+        issue="#6",
+    ),
+    Patch(
+        name="dflash-quantized-context-kv-project",
+        target="vllm.model_executor.models.qwen3_dflash:DFlashQwen3Model._project_context_kv",
+        processes=(WORKER,),
+        vllm_versions=V030,
+        why=(
+            "Pairs with dflash-quantized-context-kv-build: when that build kept the quantized "
+            "projections, each layer's own quant method (the kernel vLLM chose, after its "
+            "post-load repacking) projects the normed context and the K/V columns are laid out "
+            "as vLLM's fused GEMM lays them out; otherwise vLLM's fused GEMM runs."
+        ),
+        upstream="none known",
+        remove_when="dflash-quantized-context-kv-build goes",
+        factory="vllm_dualgpu.patches.qwen3_dflash:wrap_project_context_kv",
+        params=("self", "context_states", "num_ctx", "num_layers", "num_kv_heads", "head_dim"),
+        issue="#6",
+    ),
 )
 
 __all__ = ["ENGINE", "FRONTEND", "PATCHES", "WORKER"]
