@@ -142,3 +142,21 @@ def test_plan_file(make_config, big_first_pair, monkeypatch, tmp_path):
     assert data["physical_gpu_ids"] == [1, 0]
     assert data["partition"] == applied.plan.partition
     assert data["num_blocks"] == applied.plan.num_blocks
+
+
+def test_each_rank_gets_its_prediction(make_config, big_first_pair):
+    import os
+
+    from vllm_dualgpu.worker import used_vs_predicted
+
+    applied = apply.apply_plan(make_config())
+    pairs = [envs.rank_pairs(envs.RANK_PREDICTED, r) for r in range(2)]
+    # Rank 0 is GPU 1 (16 GiB free), rank 1 GPU 0 (32 GiB free).
+    assert [p[0] for p in pairs] == [16 * GiB, 32 * GiB]
+    for (free, predicted), rank in zip(pairs, applied.plan.ranks):
+        assert predicted == free - rank.predicted_free_after_bytes
+        assert 0 < predicted < free
+    free, predicted = pairs[0]
+    line = used_vs_predicted(free - int(predicted * 1.02), pairs[0])
+    assert line.endswith("(+2.0%)") and "predicted" in line
+    assert os.environ[envs.RANK_PREDICTED].count(",") == 1

@@ -146,6 +146,11 @@ def apply_plan(vllm_config) -> AppliedPlan:
     if user_partition is None and partition:
         os.environ["VLLM_PP_LAYER_PARTITION"] = partition
     os.environ[envs.RANK_RESERVES] = ",".join(str(r) for r in reserves)
+    # What each rank should use of its card's free memory: its summary line compares.
+    os.environ[envs.RANK_PREDICTED] = ",".join(
+        f"{g.free_bytes}:{g.free_bytes - r.predicted_free_after_bytes}"
+        for g, r in zip(ranked, result.ranks)
+    )
     caps = _explicit_utilization_caps(vllm_config, ranked)
     if caps is not None:
         os.environ[envs.RANK_CAPS] = ",".join(str(c) for c in caps)

@@ -30,6 +30,16 @@ def rank_budget(free: int, total: int, reserve: int, cap: int | None) -> int:
     return budget
 
 
+def used_vs_predicted(free_now: int, plan: tuple[int, int] | None) -> str:
+    """What vLLM took of the card's free memory (as NVML saw it when planning) vs the plan."""
+    if plan is None:
+        return "n/a (no plan)"
+    free_at_plan, predicted = plan
+    used = free_at_plan - free_now
+    err = 100.0 * (used - predicted) / predicted if predicted else 0.0
+    return f"{_gib(used)} of the card's free memory, predicted {_gib(predicted)} ({err:+.1f}%)"
+
+
 def _oom_detail(exc: BaseException) -> str:
     m = re.search(r"Tried to allocate [\d.]+ \w+", str(exc))
     return m.group(0) if m else str(exc).split(". ")[0]
@@ -122,7 +132,6 @@ class DualGpuWorker(Worker):
 
     def _log_summary(self) -> None:
         free, total = torch.cuda.mem_get_info(self.device)
-        used = self._dualgpu_free_at_start - free
         kv = self.cache_config.num_gpu_blocks
         pp_rank, pp_size = self._pp_position()
         layers = os.environ.get("VLLM_PP_LAYER_PARTITION", "")
@@ -130,7 +139,11 @@ class DualGpuWorker(Worker):
         rank_summary.note("layers", f"{split[pp_rank]} of {layers.replace(',', '/')}" if len(split) == pp_size else "even split")
         rank_summary.note("weights", _gib(self.model_runner.model_memory_usage))
         rank_summary.note("KV", f"{_gib(getattr(self, '_dualgpu_kv_bytes', 0))}, {kv} blocks x {self.cache_config.block_size} tokens" if kv else "n/a")
-        rank_summary.note("used", f"{_gib(used)} (peak torch {_gib(torch.cuda.max_memory_reserved(self.device))})")
+        kv_tokens = kv * self.cache_config.block_size if kv else 0
+        if kv_tokens:
+            ctx = min(kv_tokens, self.model_config.max_model_len)
+            rank_summary.note("max context", f"{ctx:,} tokens (pool {kv_tokens:,})")
+        rank_summary.note("used", used_vs_predicted(free, envs.rank_pairs(envs.RANK_PREDICTED, self.rank)))
         rank_summary.note("free after", _gib(free))
         logger.info(rank_summary.line(f"vllm-dualgpu rank {pp_rank}/{pp_size}: "))
 

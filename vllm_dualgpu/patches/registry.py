@@ -331,8 +331,7 @@ PATCHES: tuple[Patch, ...] = (
             "build keeps references to the projections instead; unquantized drafters are "
             "built as in vLLM. Inherited by DFlash2 and Qwen3 DSpark drafters."
         ),
-        upstream="none known (seed patch 09 of the reference setup; vLLM 0.33 changed this "
-        "code)",
+        upstream="none known (the reference setup carries its own patch for this crash)",
         remove_when="the supported vLLM projects DFlash context K/V through the layers' quant "
         "methods",
         factory="vllm_dualgpu.patches.qwen3_dflash:wrap_build_context_kv_buffers",
