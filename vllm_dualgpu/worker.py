@@ -91,6 +91,9 @@ class DualGpuWorker(Worker):
         from vllm_dualgpu.kernels.flashinfer import set_cute_dsl_arch_for_current_device
 
         set_cute_dsl_arch_for_current_device()
+        if os.environ.get("VLLM_DUALGPU_SM_HOOK", "1") == "0":
+            rank_summary.note("sm-hook", "off (VLLM_DUALGPU_SM_HOOK=0)")
+            return
         try:
             from vllm_dualgpu.kernels.sm_hook import install_sm_hook
         except ImportError as exc:  # the extension did not build or is missing
