@@ -743,3 +743,23 @@ def test_soak_end_to_end_with_a_stand_in_server(tmp_path, monkeypatch):
     assert len(result["samples"]) >= 2 and (out / "soak.png").read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(OSError):  # the server's process group is gone: its port is free again
         socket.create_connection(("127.0.0.1", port), timeout=1).close()
+
+
+def test_serve_smoke_finds_the_plugin_line_of_every_process(tmp_path):
+    """The log lines as vLLM 0.30 prints them (front end unprefixed, others with a pid)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "gpu"))
+    import serve_smoke
+
+    log = tmp_path / "serve.log"
+    v = "vllm-dualgpu 0.1.0"
+    log.write_text("\n".join([
+        f"INFO 11-30 11:13:30 [plugin.py:86] {v} (frontend, vLLM 0.30.0): applied executor-by-name; skipped none",
+        f"(EngineCore pid=3754) INFO 11-30 11:13:32 [plugin.py:86] {v} (engine, vLLM 0.30.0): applied pp-inflight-batches; skipped none",
+        f"(Worker pid=3776) INFO 11-30 11:13:33 [plugin.py:86] {v} (worker, vLLM 0.30.0): applied fp8-configs-per-rank; skipped none",
+        "(Worker_PP1 pid=3777) INFO 11-30 11:13:38 [model_runner.py:428] Model loading took 10.52 GiB memory",
+    ]) + "\n")
+    got = serve_smoke.summarize_log(log)
+    assert got["plugin_line_per_process"] == {"frontend": True, "engine": True, "two workers": False}
+    with log.open("a") as f:
+        f.write(f"(Worker pid=3777) INFO 11-30 11:13:33 [plugin.py:86] {v} (worker, vLLM 0.30.0): applied x; skipped none\n")
+    assert serve_smoke.summarize_log(log)["plugin_line_per_process"]["two workers"] is True

@@ -133,7 +133,11 @@ def build_drafters(bias: bool):
     from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
         CompressedTensorsConfig,
     )
+    from vllm.model_executor.layers.quantization.utils.quant_utils import (
+        pack_quantized_values_into_int32,
+    )
     from vllm.model_executor.models.qwen3_dflash import DFlashQwen3Attention
+    from vllm.scalar_type import scalar_types
 
     torch.manual_seed(0)
     quant = CompressedTensorsConfig.from_config(W4A16)
@@ -157,11 +161,6 @@ def build_drafters(bias: bool):
     for qa, ra in zip(quantized.layers, reference.layers):
         qproj, rproj = qa.self_attn.qkv_proj, ra.self_attn.qkv_proj
         assert not hasattr(qproj, "weight") and qproj.weight_packed.dtype == torch.int32
-        from vllm.model_executor.layers.quantization.utils.quant_utils import (
-            pack_quantized_values_into_int32,
-        )
-        from vllm.scalar_type import scalar_types
-
         out = qproj.weight_packed.shape[0]
         q = torch.randint(0, 16, (out, HIDDEN), dtype=torch.int32)
         qproj.weight_packed.data.copy_(pack_quantized_values_into_int32(q, scalar_types.uint4b8, 1))
@@ -215,7 +214,6 @@ def test_w4a16_drafter_context_kv(kernels, patched, monkeypatch, bias):
 
 
 def test_stock_without_dualgpu(kernels, patched, monkeypatch):
-    model_cls = patched
     quantized, reference = build_drafters(False)
     monkeypatch.delenv(ACTIVE_ENV, raising=False)
     with pytest.raises(AttributeError, match="weight"):

@@ -19,6 +19,7 @@ nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv,noheader
 
 declare -A CMD=(
   [smoke]="python3 scripts/gpu/serve_smoke.py"
+  [smoke-hook]="python3 scripts/gpu/serve_smoke.py --compare-hook"
   [hook]="python3 scripts/gpu/check_sm_hook.py"
   [fp8]="python3 scripts/gpu/tune_and_bench_fp8.py"
   [mem]="python3 scripts/gpu/bench_memory.py"
@@ -30,7 +31,7 @@ declare -A CMD=(
 )
 # e2e: 4 engine boots (~6 min); e2e-full: 6 (~9 min); suite: pytest -m gpu (e2e quick inside);
 # soak: ~2 min boot + 10 min of load + drain, longer than one 10-minute command: run it detached.
-declare -A LIMIT=([smoke]=420 [hook]=90 [fp8]=330 [mem]=560 [spec]=300 [e2e]=540 [e2e-full]=590
+declare -A LIMIT=([smoke]=420 [smoke-hook]=580 [hook]=90 [fp8]=330 [mem]=560 [spec]=300 [e2e]=540 [e2e-full]=590
                   [soak]=800 [suite]=590)
 # Configs tuned by the fp8 stage earlier on this machine are what the plugin's lookup reads.
 if [ -d "$WORK/fp8/configs" ] && [ -z "${VLLM_DUALGPU_KERNEL_CONFIGS:-}" ]; then
