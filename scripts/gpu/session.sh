@@ -47,7 +47,7 @@ for stage in "$@"; do
   echo "=== $stage rc=$rc in $(( $(date +%s) - s )) s"; tail -15 "$dir/stage.log"
   [ $rc -eq 0 ] || status=1
   # Anything a stage left behind (vLLM workers, ballast) must not leak into the next one.
-  pkill -9 -f 'boot_llm.py|e2e_correctness.py|vllm serve|ballast.py|VLLM::' 2>/dev/null; sleep 1
+  pkill -9 -f 'boot_llm.py|e2e_correctness.py|vllm serve|vllm.entrypoints.cli.main|ballast.py|VLLM::' 2>/dev/null; sleep 1
   find "$dir" -maxdepth 1 \( -name '*.json' -o -name '*.md' -o -name '*.png' -o -name '*.xml' \) -size -4M -exec cp {} "$OUT/" \;
 done
 # One archive with every stage's logs (results come back as a few files only).

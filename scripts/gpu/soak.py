@@ -44,6 +44,7 @@ import re
 import signal
 import statistics
 import subprocess
+import shutil
 import sys
 import threading
 import time
@@ -450,7 +451,9 @@ def main(argv: list[str] | None = None) -> int:
         mtp, mtp_why = False, f"preset {args.preset} has no MTP layer: serving without speculative decoding"
     print(f"[soak] MTP {'on' if mtp else 'off'}: {mtp_why}", flush=True)
     base = f"http://127.0.0.1:{args.port}"
-    cmd = ["vllm", "serve", str(model), "--served-model-name", "soak", "--host", "127.0.0.1",
+    # The `vllm` command if it is on PATH, else the same CLI through the interpreter.
+    cli = [shutil.which("vllm")] if shutil.which("vllm") else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+    cmd = [*cli, "serve", str(model), "--served-model-name", "soak", "--host", "127.0.0.1",
            "--port", str(args.port), "--pipeline-parallel-size", "2",
            "--distributed-executor-backend", "dualgpu", "--max-model-len", str(MAX_MODEL_LEN),
            "--enforce-eager", "--dtype", "bfloat16", "--max-num-seqs", str(max(16, 2 * args.concurrency))]

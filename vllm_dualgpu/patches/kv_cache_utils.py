@@ -24,6 +24,7 @@ shares the target's attention spec) keeps vLLM's grouping, since nothing beats i
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import functools
 import math
 from collections import defaultdict
@@ -153,3 +154,123 @@ def wrap_get_kv_cache_groups_uniform_page_size(original: Callable) -> Callable:
         return choose_grouping(stock, kv_cache_spec, workers)
 
     return _get_kv_cache_groups_uniform_page_size
+
+
+# --- drafter pages promoted to the target's page (second half of item 7) ----------------------
+#
+# vLLM's platform sizes a hybrid model's attention block so that its page covers a Mamba/GDN
+# state and pads the Mamba page to it: one common page C. A drafter with its own attention spec
+# (another head count or size) has another per-token page q. ``unify_kv_cache_spec_page_size``
+# then only multiplies block sizes by whole ratios of pages: a drafter page that does not divide
+# C is padded to C, and a drafter page larger than C becomes the common page, so every Mamba page
+# is padded to it and the target's attention blocks grow (or are padded). Under dualgpu with
+# PP > 1 the drafter's block size becomes C / q when that is a whole multiple of the block's
+# kernel alignment, so every page is exactly C; when it is not, the block size that would allow
+# it is logged.
+
+KERNEL_ALIGNMENT_CAP = 128
+"""Power-of-two kernel block sizes up to this (16/32/64 of FlashAttention, FlashInfer, Triton;
+128 of FA4 for head size 256) that divide the old block size divide the new one too."""
+
+
+def per_token_page(spec) -> int:
+    return dataclasses.replace(spec, block_size=1, page_size_padded=None).unpadded_page_size_bytes
+
+
+def promotable(spec) -> bool:
+    from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
+
+    return (
+        isinstance(spec, AttentionSpec)
+        and not isinstance(spec, MLAAttentionSpec)
+        and spec.tokens_per_state == 1
+    )
+
+
+def promoted_block_size(common_page: int, spec) -> int | None:
+    """The drafter block size whose page is exactly ``common_page``, if the kernels take it."""
+    q = per_token_page(spec)
+    if common_page % q:
+        return None
+    block = common_page // q
+    align = math.gcd(spec.block_size, KERNEL_ALIGNMENT_CAP)
+    return block if block % align == 0 else None
+
+
+def working_block_size(target, drafter, limit: int = 64) -> int | None:
+    """The smallest --block-size at least the target's (same alignment) with which the drafter's
+    block could be promoted; both layers take the block size vLLM gives every attention layer."""
+    step = math.gcd(target.block_size, KERNEL_ALIGNMENT_CAP)
+    for candidate in range(target.block_size, target.block_size * limit + 1, step):
+        common = candidate * per_token_page(target)
+        if promoted_block_size(common, dataclasses.replace(drafter, block_size=candidate)):
+            return candidate
+    return None
+
+
+def promote_drafter_pages(kv_cache_spec: dict, workers: _Workers) -> dict:
+    """``kv_cache_spec`` with attention layers whose page differs from the Mamba page re-blocked
+    to that page where the kernels allow it; the rest is left to vLLM and reported."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    mamba_pages = {s.page_size_bytes for s in kv_cache_spec.values() if isinstance(s, MambaSpec)}
+    if len(mamba_pages) != 1:
+        return kv_cache_spec
+    common = mamba_pages.pop()
+    promoted = dict(kv_cache_spec)
+    blocked: dict = {}
+    for name, spec in kv_cache_spec.items():
+        if isinstance(spec, MambaSpec) or spec.page_size_bytes == common or not promotable(spec):
+            continue
+        block = promoted_block_size(common, spec)
+        if block is None:
+            blocked.setdefault(spec, []).append(name)
+        else:
+            promoted[name] = dataclasses.replace(spec, block_size=block, page_size_padded=None)
+    changed = {
+        (s.block_size, promoted[n].block_size) for n, s in kv_cache_spec.items() if promoted[n] is not s
+    }
+    if changed:
+        logger.info(
+            "vllm-dualgpu: drafter KV block size %s, so its pages equal the model's %d-byte page "
+            "without padding",
+            ", ".join(f"{a} -> {b} tokens" for a, b in sorted(changed)),
+            common,
+        )
+    target = next(
+        (s for s in kv_cache_spec.values()
+         if promotable(s) and s.page_size_padded is None and s.page_size_bytes == common),
+        None,
+    )
+    user_set = workers.vllm_config.cache_config.user_specified_block_size  # type: ignore[attr-defined]
+    for spec, names in blocked.items():
+        report_blocked(spec, names, common, target, user_set)
+    return promoted
+
+
+def report_blocked(spec, names: list[str], common: int, target, user_set: bool) -> str:
+    better = working_block_size(target, spec) if target is not None else None
+    advice = (
+        f"--block-size {better} would let the drafter's pages match exactly"
+        if better
+        else "no block size up to 64 times the current one would let them match"
+    )
+    message = (
+        f"vllm-dualgpu: {'--block-size' if user_set else 'the block size vLLM chose,'} "
+        f"{spec.block_size}, leaves the KV pages of {len(names)} drafter layer(s) ({names[0]}, "
+        f"{per_token_page(spec)} bytes per token) off the model's {common}-byte page, so vLLM "
+        f"pads pages; {advice}."
+    )
+    logger.warning(message)
+    return message
+
+
+def wrap_unify_kv_cache_spec_page_size(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def unify_kv_cache_spec_page_size(kv_cache_spec):
+        workers = _WORKERS.get()
+        if workers is None:
+            return original(kv_cache_spec)
+        return original(promote_drafter_pages(kv_cache_spec, workers))
+
+    return unify_kv_cache_spec_page_size

@@ -300,6 +300,27 @@ PATCHES: tuple[Patch, ...] = (
         issue="#6",
     ),
     Patch(
+        name="kv-drafter-pages-promoted",
+        target="vllm.v1.core.kv_cache_utils:unify_kv_cache_spec_page_size",
+        processes=(ENGINE,),
+        vllm_versions=V030,
+        why=(
+            "A hybrid model's Mamba/GDN and attention pages share one size; a drafter with its "
+            "own attention spec has another per-token page, and vLLM only multiplies block "
+            "sizes by whole page ratios: a drafter page that does not divide the common page "
+            "is padded, and a larger drafter page becomes the common page, padding every Mamba "
+            "page and growing the target's attention blocks. Under dualgpu with PP > 1 (with "
+            "kv-groups-know-ranks) the drafter's block size becomes common page / per-token "
+            "page when that is a multiple of its kernel alignment, so no page is padded; "
+            "otherwise a warning names a --block-size that would allow it."
+        ),
+        upstream="none known",
+        remove_when="vLLM sizes drafter blocks to the hybrid model's page",
+        factory="vllm_dualgpu.patches.kv_cache_utils:wrap_unify_kv_cache_spec_page_size",
+        params=("kv_cache_spec",),
+        issue="#6",
+    ),
+    Patch(
         name="vision-tower-first-rank-only",
         target="vllm.model_executor.models.interfaces:SupportsMultiModal._mark_tower_model",
         processes=(WORKER,),
