@@ -64,7 +64,8 @@ def dequantize(layer) -> torch.Tensor:
     from vllm.scalar_type import scalar_types
 
     q = unpack_quantized_values_into_int32(layer.weight_packed.data, scalar_types.uint4b8, 1)
-    return (q - 8).to(layer.weight_scale.dtype) * layer.weight_scale.data.repeat_interleave(GROUP, 1)
+    scale = layer.weight_scale.data
+    return (q - 8).to(scale.dtype) * scale.repeat_interleave(GROUP, 1)
 
 
 def w4a16_gemm_ref(self, layer, x, bias=None):

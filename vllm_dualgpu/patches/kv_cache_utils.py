@@ -19,6 +19,10 @@ Candidates with more groups than vLLM's own grouping are not considered (every g
 scheduler and attention-metadata work each step); on a tie vLLM's grouping wins, then fewer
 groups. A model whose buckets already divide evenly (e.g. Qwen3.5 with MTP, whose drafter layer
 shares the target's attention spec) keeps vLLM's grouping, since nothing beats it.
+
+Before the grouping, ``unify_kv_cache_spec_page_size`` gives every layer one page size; under
+the same condition a drafter's attention block is resized to the hybrid model's page (see the
+section at the end of this file).
 """
 
 from __future__ import annotations
@@ -168,9 +172,13 @@ def wrap_get_kv_cache_groups_uniform_page_size(original: Callable) -> Callable:
 # kernel alignment, so every page is exactly C; when it is not, the block size that would allow
 # it is logged.
 
-KERNEL_ALIGNMENT_CAP = 128
-"""Power-of-two kernel block sizes up to this (16/32/64 of FlashAttention, FlashInfer, Triton;
-128 of FA4 for head size 256) that divide the old block size divide the new one too."""
+
+def kernel_alignment(block_size: int) -> int:
+    """What a re-blocked attention layer's block size must be a multiple of. The kernel block
+    sizes of vLLM's FlashAttention, FlashInfer and Triton backends are multiples of 16 (FlashInfer:
+    16/32/64); FA4 with head size 256 takes only 128, and vLLM then makes the block a multiple of
+    128. A block that is a multiple of 128 therefore keeps 128; any other keeps gcd(block, 16)."""
+    return 128 if block_size % 128 == 0 else math.gcd(block_size, 16)
 
 
 def per_token_page(spec) -> int:
@@ -193,14 +201,13 @@ def promoted_block_size(common_page: int, spec) -> int | None:
     if common_page % q:
         return None
     block = common_page // q
-    align = math.gcd(spec.block_size, KERNEL_ALIGNMENT_CAP)
-    return block if block % align == 0 else None
+    return block if block % kernel_alignment(spec.block_size) == 0 else None
 
 
 def working_block_size(target, drafter, limit: int = 64) -> int | None:
     """The smallest --block-size at least the target's (same alignment) with which the drafter's
     block could be promoted; both layers take the block size vLLM gives every attention layer."""
-    step = math.gcd(target.block_size, KERNEL_ALIGNMENT_CAP)
+    step = math.gcd(target.block_size, 16)
     for candidate in range(target.block_size, target.block_size * limit + 1, step):
         common = candidate * per_token_page(target)
         if promoted_block_size(common, dataclasses.replace(drafter, block_size=candidate)):
@@ -228,7 +235,9 @@ def promote_drafter_pages(kv_cache_spec: dict, workers: _Workers) -> dict:
         else:
             promoted[name] = dataclasses.replace(spec, block_size=block, page_size_padded=None)
     changed = {
-        (s.block_size, promoted[n].block_size) for n, s in kv_cache_spec.items() if promoted[n] is not s
+        (spec.block_size, promoted[name].block_size)
+        for name, spec in kv_cache_spec.items()
+        if promoted[name] is not spec
     }
     if changed:
         logger.info(
@@ -237,14 +246,15 @@ def promote_drafter_pages(kv_cache_spec: dict, workers: _Workers) -> dict:
             ", ".join(f"{a} -> {b} tokens" for a, b in sorted(changed)),
             common,
         )
-    target = next(
-        (s for s in kv_cache_spec.values()
-         if promotable(s) and s.page_size_padded is None and s.page_size_bytes == common),
-        None,
-    )
-    user_set = workers.vllm_config.cache_config.user_specified_block_size  # type: ignore[attr-defined]
-    for spec, names in blocked.items():
-        report_blocked(spec, names, common, target, user_set)
+    if blocked:
+        target = next(
+            (s for s in kv_cache_spec.values()
+             if promotable(s) and s.page_size_padded is None and s.page_size_bytes == common),
+            None,
+        )
+        cache_config = workers.vllm_config.cache_config  # type: ignore[attr-defined]
+        for spec, names in blocked.items():
+            report_blocked(spec, names, common, target, cache_config.user_specified_block_size)
     return promoted
 
 
