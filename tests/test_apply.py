@@ -160,3 +160,26 @@ def test_each_rank_gets_its_prediction(make_config, big_first_pair):
     line = used_vs_predicted(free - int(predicted * 1.02), pairs[0])
     assert line.endswith("(+2.0%)") and "predicted" in line
     assert os.environ[envs.RANK_PREDICTED].count(",") == 1
+
+
+def test_context_far_too_long_fails_before_weights_load(make_config, big_first_pair):
+    from vllm_dualgpu.planner import ContextTooLong
+
+    with pytest.raises(ContextTooLong, match=r"--max-model-len 262,144 does not fit: the largest that fits is"):
+        apply.apply_plan(make_config(max_model_len=262144))
+
+
+def test_context_just_past_the_prediction_is_left_to_measurement(make_config, big_first_pair, caplog):
+    """Within 5% of the predicted limit the plan goes ahead; vLLM's profiling decides."""
+    import os
+
+    from vllm_dualgpu.planner import ContextTooLong
+
+    with pytest.raises(ContextTooLong) as err:
+        apply.apply_plan(make_config(max_model_len=262144))
+    largest = err.value.largest_fitting_max_model_len
+    caplog.set_level(logging.WARNING, logger="vllm.dualgpu")
+    logging.getLogger("vllm.dualgpu").propagate = True
+    applied = apply.apply_plan(make_config(max_model_len=int(largest * 1.03)))
+    assert os.environ["VLLM_PP_LAYER_PARTITION"] == ",".join(map(str, applied.plan.partition))
+    assert any("predicted to need" in r.getMessage() for r in caplog.records)

@@ -94,7 +94,7 @@ def choose_gpus(visible: list[VisibleGpu], pp_size: int) -> list[VisibleGpu]:
 
 
 def apply_plan(vllm_config) -> AppliedPlan:
-    from vllm_dualgpu.planner import GpuFacts, ModelSpec, plan
+    from vllm_dualgpu.planner import GpuFacts, ModelSpec
 
     pc = vllm_config.parallel_config
     pp = pc.pipeline_parallel_size
@@ -137,7 +137,7 @@ def apply_plan(vllm_config) -> AppliedPlan:
         )
         for i, g in enumerate(used)
     ]
-    result = plan(model, facts, plan_request(vllm_config, user_partition))
+    result = plan_or_explain(model, facts, plan_request(vllm_config, user_partition))
 
     ranked = [used[i] for i in result.order]
     reserves = [reserves_visible[i] for i in result.order]
@@ -172,6 +172,30 @@ def apply_plan(vllm_config) -> AppliedPlan:
     )
     _write_plan_file(result, ranked)
     return AppliedPlan(result, ranked, reserves)
+
+
+# A predicted shortfall this small is left to vLLM's measurement (the memory model is an estimate;
+# docs/benchmarks.md): the split is planned for what fits, and vllm_dualgpu.fit checks after
+# profiling. A larger one fails here, before any weights load.
+CONTEXT_MARGIN = 0.05
+
+
+def plan_or_explain(model, facts, request):
+    from vllm_dualgpu.planner import ContextTooLong, plan
+
+    try:
+        return plan(model, facts, request)
+    except ContextTooLong as exc:
+        if exc.best_plan is None or exc.largest_fitting_max_model_len < (1 - CONTEXT_MARGIN) * exc.requested:
+            raise
+        logger.warning(
+            "vllm-dualgpu: --max-model-len %s is predicted to need %.1f%% more KV cache than "
+            "fits (largest predicted %s); continuing with that split, vLLM's measurement after "
+            "profiling decides",
+            f"{exc.requested:,}", 100.0 * (exc.requested / max(exc.largest_fitting_max_model_len, 1) - 1),
+            f"{exc.largest_fitting_max_model_len:,}",
+        )
+        return exc.best_plan
 
 
 def _write_plan_file(result, ranked: list[VisibleGpu]) -> None:
