@@ -52,7 +52,6 @@ class DualGpuExecutor(MultiprocExecutor):
                     "--distributed-executor-backend mp on this machine."
                 )
             from vllm_dualgpu.apply import apply_plan
-
             from vllm_dualgpu.kernels.flashinfer import apply_flashinfer_autotune_policy
 
             self.dualgpu = apply_plan(self.vllm_config)
