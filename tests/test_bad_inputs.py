@@ -231,22 +231,13 @@ def serve(tiny_model_dir, extra_env=None, backend="dualgpu", timeout=180):
 
 def _group_alive(pgid: int, wait: float = 15.0) -> bool:
     """Whether any non-zombie process of the group still runs after `wait` seconds."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts", "gpu"))
+    from gpurun import _group_alive as alive_now
+
     end = time.time() + wait
-    while True:
-        alive = []
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                stat = open(f"/proc/{entry}/stat").read()
-            except OSError:
-                continue
-            fields = stat.rsplit(")", 1)[1].split()
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                alive.append(entry)
-        if not alive or time.time() > end:
-            return bool(alive)
+    while alive_now(pgid) and time.time() < end:
         time.sleep(0.5)
+    return alive_now(pgid)
 
 
 @pytest.mark.slow
