@@ -77,12 +77,11 @@ class DualGpuWorker(Worker):
             )
         self.requested_memory = budget
         self.cache_config.gpu_memory_utilization = min(1.0, budget / snap.total_memory)
-        self._dualgpu_free_at_start = snap.free_memory
         rank_summary.note("GPU", f"{name} (cuda:{self.device.index})")
         rank_summary.note(
             "budget",
             f"{_gib(budget)} = {_gib(snap.free_memory)} free - {_gib(reserve)} reserve"
-            + (f", capped by --gpu-memory-utilization" if cap is not None else ""),
+            + (", capped by --gpu-memory-utilization" if cap is not None else ""),
         )
         self._install_native_hooks()
 
