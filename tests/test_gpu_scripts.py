@@ -502,7 +502,7 @@ SUITE = GPU_SCRIPTS / "run_gpu_suite.sh"
 
 def _suite_env(tmp_path, **extra):
     env = {k: v for k, v in os.environ.items() if not k.startswith("DUALGPU_SUITE")}
-    env.update({"GPUKIT_ENV": str(tmp_path / "no-env.sh"), "PYTHON": sys.executable,
+    env.update({"STAGING_ENV": "", "PYTHON": sys.executable,
                 "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", **extra})
     return env
 

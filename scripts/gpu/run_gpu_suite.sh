@@ -19,7 +19,8 @@ OUTDIR=${1:-${OUT:?set OUT or pass OUTDIR}}
 mkdir -p "$OUTDIR"
 OUTDIR=$(cd "$OUTDIR" && pwd)
 cd "$(dirname "$0")/../.."
-[ -f "${GPUKIT_ENV:-/tmp/gpukit/env.sh}" ] && source "${GPUKIT_ENV:-/tmp/gpukit/env.sh}"
+# The staging step's environment (vLLM on PYTHONPATH), if given; else source it before running.
+[ -n "${STAGING_ENV:-}" ] && source "$STAGING_ENV"
 PY=${PYTHON:-python3}
 
 if ! "$PY" -c 'import pytest' 2>/dev/null; then

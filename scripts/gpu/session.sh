@@ -6,7 +6,8 @@
 # everything it started.
 set -uo pipefail
 : "${OUT:?set OUT to the results folder}"
-[ -f "${GPUKIT_ENV:-/tmp/gpukit/env.sh}" ] && source "${GPUKIT_ENV:-/tmp/gpukit/env.sh}"
+# The staging step's environment (vLLM on PYTHONPATH), if given; else source it before running.
+[ -n "${STAGING_ENV:-}" ] && source "$STAGING_ENV"
 SITE=${DUALGPU_SITE:-/tmp/dualgpu-site}
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PATH="$SITE/bin:$PATH"
 WORK=${DUALGPU_WORK:-/tmp/dualgpu-work}
