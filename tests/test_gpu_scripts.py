@@ -763,3 +763,20 @@ def test_serve_smoke_finds_the_plugin_line_of_every_process(tmp_path):
     with log.open("a") as f:
         f.write(f"(Worker pid=3777) INFO 11-30 11:13:33 [plugin.py:86] {v} (worker, vLLM 0.30.0): applied x; skipped none\n")
     assert serve_smoke.summarize_log(log)["plugin_line_per_process"]["two workers"] is True
+
+
+def test_bench_memory_table_compares_prediction_with_measurement():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "gpu"))
+    import bench_memory
+
+    runs = [
+        {"name": "stock_u0.10", "booted": True, "kv_tokens": 37376, "peak_used_gib": [1.0, 2.0], "wall_s": 43.3},
+        {"name": "dualgpu", "booted": True, "kv_tokens": 133968, "peak_used_gib": [31.99, 14.46], "wall_s": 245.6,
+         "boot_s": 120.5, "block_size": 16, "plan": {"partition": [10, 30], "num_blocks": 8570},
+         "rank_lines": ["(Worker_PP1 pid=1) INFO 11-30 [worker.py:150] vllm-dualgpu rank 1/2: used: 30.5 GiB"]},
+    ]
+    md = bench_memory.table(runs)
+    # 8,570 blocks x 16 = 137,120 predicted vs 133,968 measured: +2.4%.
+    assert "| dualgpu | 10/30 | yes | 133,968 | 137,120 | +2.4% | 120.5 |" in md
+    assert "| stock_u0.10 | even | yes | 37,376 | - | - | - |" in md
+    assert "    vllm-dualgpu rank 1/2: used: 30.5 GiB" in md

@@ -107,11 +107,23 @@ def main() -> int:
 
 
 def table(results) -> str:
-    rows = ["| run | boots | KV pool (tokens) | peak used GPU0 / GPU1 (GiB) | wall (s) |", "|---|---|---|---|---|"]
+    """Markdown: per run, the split, predicted vs measured pool, boot and memory figures."""
+    rows = ["| run | split | boots | KV pool (tokens) | predicted | error | boot (s) | peak used GPU0 / GPU1 (GiB) |",
+            "|---|---|---|---|---|---|---|---|"]
     for r in results:
         pk = " / ".join(f"{x:.2f}" for x in r["peak_used_gib"])
-        kv = f"{r['kv_tokens']:,}" if r["kv_tokens"] else "-"
-        rows.append(f"| {r['name']} | {'yes' if r['booted'] else 'no'} | {kv} | {pk} | {r['wall_s']} |")
+        kv = r["kv_tokens"]
+        plan = r.get("plan") or {}
+        split = "/".join(map(str, plan.get("partition", []))) or "even"
+        predicted = plan.get("num_blocks", 0) * r.get("block_size", 16) if plan else None
+        err = f"{100.0 * (predicted - kv) / kv:+.1f}%" if predicted and kv else "-"
+        rows.append(f"| {r['name']} | {split} | {'yes' if r['booted'] else 'no'} | "
+                    f"{f'{kv:,}' if kv else '-'} | {f'{predicted:,}' if predicted else '-'} | {err} | "
+                    f"{r.get('boot_s', '-')} | {pk} |")
+    ranks = [l for r in results for l in r.get("rank_lines", [])]
+    if ranks:
+        rows += ["", "Per-rank summary lines (used vs predicted memory):", ""]
+        rows += [f"    {l.split('] ', 1)[-1]}" for l in ranks]
     return "\n".join(rows) + "\n"
 
 
