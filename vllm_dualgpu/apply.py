@@ -28,7 +28,6 @@ GiB = 1024**3
 class AppliedPlan:
     plan: object  # vllm_dualgpu.planner.Plan
     gpus: list[VisibleGpu]  # in rank order
-    reserves: list[int]  # in rank order
 
 
 def speculative_dict(vllm_config) -> dict | None:
@@ -171,7 +170,7 @@ def apply_plan(vllm_config) -> AppliedPlan:
         f"{result.max_context_tokens:,}",
     )
     _write_plan_file(result, ranked)
-    return AppliedPlan(result, ranked, reserves)
+    return AppliedPlan(result, ranked)
 
 
 # A predicted shortfall this small is left to vLLM's measurement (the memory model is an estimate;
