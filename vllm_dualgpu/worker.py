@@ -105,13 +105,68 @@ class DualGpuWorker(Worker):
             logger.error("vllm-dualgpu: could not install the sm hook: %s", exc)
             rank_summary.note("sm-hook", f"failed: {exc}")
 
+    def determine_available_memory(self) -> int:
+        self._warm_pp_communicators()
+        return super().determine_available_memory()
+
+    def _warm_pp_communicators(self) -> None:
+        """Create the pipeline's NCCL communicators now, so their buffers count before the KV pool.
+
+        NCCL allocates a communicator's buffers on its first use. vLLM's pipeline uses two that
+        are first used after the KV cache has taken the budget: the stage-to-stage sends of
+        hidden states (``isend_tensor_dict`` on the PP device group) and the sampled-token
+        broadcast (the v2 runner's ``PPHandler.broadcast_group``). On two H200s that came to
+        more than a 1 GiB reserve and failed in warm-up ("unhandled cuda error"). Used here,
+        before profiling, they are part of what vLLM measures since its start snapshot.
+        """
+        import torch.distributed as dist
+        from vllm.distributed.parallel_state import get_pp_group
+
+        g = get_pp_group()
+        if g.world_size < 2:
+            return
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        r = g.rank_in_group
+        send = torch.zeros(64, dtype=torch.bfloat16, device=self.device)
+        recv = torch.empty_like(send)
+        handles = []
+        if r + 1 < g.world_size:
+            handles.append(dist.isend(send, dst=g.ranks[r + 1], group=g.device_group))
+        if r > 0:
+            handles.append(dist.irecv(recv, src=g.ranks[r - 1], group=g.device_group))
+        for h in handles:
+            h.wait()
+        handler = getattr(self.model_runner, "pp_handler", None)
+        if handler is not None and getattr(handler, "broadcast_group", None) is not None:
+            tokens = torch.zeros(2, dtype=torch.int64, device=self.device)
+            dist.broadcast(tokens, src=g.last_rank, group=handler.broadcast_group)
+        torch.cuda.synchronize(self.device)
+        used = free_before - torch.cuda.mem_get_info(self.device)[0]
+        rank_summary.note("pp comms", f"{_gib(used)} (NCCL buffers, counted before the KV pool)")
+
     def compile_or_warm_up_model(self):
         try:
             result = super().compile_or_warm_up_model()
         except torch.OutOfMemoryError as exc:
             self._exit_on_oom(exc)
+        except Exception as exc:
+            self._exit_on_warmup_error(exc)
         self._log_summary()
         return result
+
+    def _exit_on_warmup_error(self, exc: BaseException) -> None:
+        """Any other failure in warm-up: the same reason to end the worker as for OOM."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        logger.exception(
+            "vllm-dualgpu rank %d (%s) failed during warm-up, after the KV cache was sized "
+            "(%s free of %s): %s. Ending this worker so the engine shuts down instead of "
+            "waiting for it. If the error is a CUDA or NCCL allocation failure, raise %s.",
+            self.rank, torch.cuda.get_device_name(self.device), _gib(free), _gib(total),
+            exc, envs.RESERVE,
+        )
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
     def _exit_on_oom(self, exc: BaseException) -> None:
         """Out of memory in warm-up: say what to change and end this worker.

@@ -8,7 +8,9 @@ comes first in PCI order and the plugin has to reorder. Model: Qwen3-14B-class s
 block-FP8 weights (dummy), bf16 KV, eager mode, max_model_len 32768 in every run.
 Runs: stock (mp) at utilization 0.90 / 0.11 / 0.10; the plugin with no extra flags (full boot
 and a generation); the plugin over a sweep of layer splits (stopped once the KV pool is
-known: the plugin's split +-2 layers and the even split; --full-sweep adds +-4 and +-6); the plugin with the model's full 262,144 context (must fail with the largest that fits).
+known: the plugin's split +-2 layers and the even split; --full-sweep adds +-4 and +-6); the
+plugin with the model's full 262,144 context (must fail with the largest that fits).
+BENCH_SKIP_STOCK, BENCH_SKIP_SWEEP, BENCH_SKIP_FULL_CONTEXT (any value) leave those runs out.
 Writes OUTDIR/bench_memory.json and OUTDIR/bench_memory.md.
 """
 
@@ -48,11 +50,11 @@ def run(name, kwargs, out: Path, env=None, stop_at_kv=False, prompts=None, timeo
         base = s.used()
         p = start(cmd, log, env)
         if stop_at_kv:
-            wait_for(log, KV_LINE, timeout, p, fail_pattern=r"EngineCore failed|Engine core initialization failed|ValueError|RuntimeError")
+            got = wait_for(log, KV_LINE, timeout, p, fail_pattern=r"EngineCore failed|Engine core initialization failed|ValueError|RuntimeError")
             time.sleep(1.0)
         else:
-            wait_for(log, r"RESULT ", timeout, p)
-        kill(p)
+            got = wait_for(log, r"RESULT ", timeout, p)
+        kill(p, dump=got is None and p.poll() is None)  # still running and no answer: a hang
     text = log.read_text(errors="replace")
     r = {"name": name, "wall_s": round(time.time() - t0, 1), "env": env, "kwargs": kwargs}
     m = re.search(KV_LINE, text)
@@ -93,6 +95,8 @@ def main() -> int:
         splits = [[chosen[0] + d, 40 - chosen[0] - d] for d in steps if 0 < chosen[0] + d < 40]
         if [20, 20] not in splits and chosen != [20, 20]:
             splits.append([20, 20])
+        if os.environ.get("BENCH_SKIP_SWEEP"):
+            splits = []
         for sp in splits:
             results.append(run(f"split_{sp[0]}_{sp[1]}", {**base, "distributed_executor_backend": "dualgpu"}, out,
                                env={"VLLM_PP_LAYER_PARTITION": f"{sp[0]},{sp[1]}"}, stop_at_kv=True))

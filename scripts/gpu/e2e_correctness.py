@@ -50,6 +50,8 @@ position (the context up to there is identical). ``--strict`` fails any divergen
 Writes OUTDIR/e2e_correctness.json (runs, comparisons: prompts, identical, mismatches with the
 first differing index and the logprob gaps there), the raw outputs under OUTDIR/outputs/, logs
 under OUTDIR/logs/. Exit code 0 only if every run worked and every comparison passed.
+E2E_ONE_GPU_UTIL=U gives the one-GPU stock runs --gpu-memory-utilization U (for GPUs shared
+with other work, e.g. a soak); the default leaves vLLM's 0.9.
 """
 
 from __future__ import annotations
@@ -281,6 +283,8 @@ def engine_kwargs(run: Run, model_dir: Path) -> dict:
           "enable_prefix_caching": run.prefix_caching, "disable_log_stats": False}
     if run.pp > 1:
         kw.update(pipeline_parallel_size=run.pp, distributed_executor_backend="dualgpu")
+    elif os.environ.get("E2E_ONE_GPU_UTIL"):  # GPUs shared with other work: stock's share
+        kw["gpu_memory_utilization"] = float(os.environ["E2E_ONE_GPU_UTIL"])
     if run.mtp:
         kw["speculative_config"] = dict(MTP)
     return kw

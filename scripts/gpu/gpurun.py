@@ -20,13 +20,23 @@ def start(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Pope
     """Start cmd in its own process group, stdout+stderr to log (never a pipe)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     f = open(log, "w")
+    # PYTHONFAULTHANDLER: on SIGABRT every Python process of the group (vLLM's engine and
+    # workers included) writes its threads' stacks to the log; kill(dump=True) uses that.
     return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, **(env or {})})
+                            env={"PYTHONFAULTHANDLER": "1", **os.environ, **(env or {}),
+                                 # `python -m` must not import this checkout (no built extension)
+                                 # instead of the installed package: no cwd on sys.path.
+                                 "PYTHONSAFEPATH": "1"})
 
 
-def kill(p: subprocess.Popen, grace: float = 5.0) -> None:
+def kill(p: subprocess.Popen, grace: float = 5.0, dump: bool = False) -> None:
+    """End p's process group; dump=True first has every process write its stacks (a hang)."""
     if p.poll() is not None and not _group_alive(p.pid):
         return
+    if dump:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGABRT)
+        time.sleep(3.0)
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, sig)

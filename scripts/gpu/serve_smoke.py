@@ -57,7 +57,7 @@ def serve_once(out: Path, model: Path, tag: str, env: dict | None = None) -> dic
     proc = start(cmd, log, env)
     result: dict = {"command": "vllm serve MODEL " + " ".join(cmd[5:]), "env": env or {}}
     try:
-        ready = wait_for(log, r"Application startup complete", 400, proc)
+        ready = wait_for(log, r"Application startup complete", 250, proc)
         result["boot_s"] = round(time.time() - t0, 1)
         result["ready"] = bool(ready)
         if ready:
@@ -70,7 +70,7 @@ def serve_once(out: Path, model: Path, tag: str, env: dict | None = None) -> dic
             texts = [c["text"] for c in sorted(resp["choices"], key=lambda c: c["index"])]
             result["completion"] = {"texts": texts, "usage": resp["usage"]}
     finally:
-        kill(proc)
+        kill(proc, dump=not result.get("ready") and proc.poll() is None)
     result.update(summarize_log(log))
     return result
 

@@ -13,9 +13,18 @@ export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PATH="$SITE/bin:$PATH"
 WORK=${DUALGPU_WORK:-/tmp/dualgpu-work}
 mkdir -p "$WORK" "$OUT"
 t0=$(date +%s)
-python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade --target "$SITE" . \
-    > "$WORK/install.log" 2>&1 || { tail -20 "$WORK/install.log"; exit 1; }
-echo "installed vllm-dualgpu in $(( $(date +%s) - t0 )) s"
+# Install once per source tree: a second session.sh beside a running one (a detached soak)
+# must not rewrite the package under it.
+src_hash=$(find vllm_dualgpu csrc kernel_configs setup.py pyproject.toml -type f ! -name '*.pyc' \
+           -print0 | sort -z | xargs -0 sha1sum | sha1sum | cut -c1-16)
+if [ -f "$SITE/.source-hash" ] && [ "$(cat "$SITE/.source-hash")" = "$src_hash" ]; then
+  echo "vllm-dualgpu already installed from this tree ($src_hash)"
+else
+  python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade --target "$SITE" . \
+      > "$WORK/install.log" 2>&1 || { tail -20 "$WORK/install.log"; exit 1; }
+  echo "$src_hash" > "$SITE/.source-hash"
+  echo "installed vllm-dualgpu in $(( $(date +%s) - t0 )) s"
+fi
 nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv,noheader
 
 declare -A CMD=(
@@ -38,17 +47,30 @@ declare -A LIMIT=([smoke]=420 [smoke-hook]=580 [hook]=90 [fp8]=330 [mem]=560 [sp
 if [ -d "$WORK/fp8/configs" ] && [ -z "${VLLM_DUALGPU_KERNEL_CONFIGS:-}" ]; then
   export VLLM_DUALGPU_KERNEL_CONFIGS="$WORK/fp8/configs"
 fi
+kill_stage() {  # SIGKILL what stage $1 (tag $2) left: its tag in the environment, or output
+  # into its folder (vLLM's renamed processes, VLLM::Worker..., overwrite their environment).
+  local p
+  for p in /proc/[0-9]*; do
+    if grep -qzx "DUALGPU_STAGE_TAG=$2" "$p/environ" 2>/dev/null \
+       || readlink "$p/fd/1" "$p/fd/2" 2>/dev/null | grep -q "^$1/"; then
+      kill -9 "${p#/proc/}" 2>/dev/null
+    fi
+  done
+}
 status=0
 for stage in "$@"; do
   dir="$WORK/$stage"; rm -rf "$dir"; mkdir -p "$dir"
   s=$(date +%s)
-  echo "=== $stage (limit ${LIMIT[$stage]:-300} s)"
-  timeout -k 10 "${LIMIT[$stage]:-300}" ${CMD[$stage]} "$dir" > "$dir/stage.log" 2>&1
+  limit=${STAGE_LIMIT:-${LIMIT[$stage]:-300}}  # STAGE_LIMIT overrides every stage's limit
+  echo "=== $stage (limit $limit s)"
+  tag="$stage-$$-$s"
+  DUALGPU_STAGE_TAG=$tag timeout -k 10 "$limit" ${CMD[$stage]} "$dir" > "$dir/stage.log" 2>&1
   rc=$?
   echo "=== $stage rc=$rc in $(( $(date +%s) - s )) s"; tail -15 "$dir/stage.log"
   [ $rc -eq 0 ] || status=1
-  # Anything a stage left behind (vLLM workers, ballast) must not leak into the next one.
-  pkill -9 -f 'boot_llm.py|e2e_correctness.py|vllm serve|vllm.entrypoints.cli.main|ballast.py|VLLM::' 2>/dev/null; sleep 1
+  # Anything this stage left behind (vLLM workers, ballast) must not leak into the next one;
+  # processes of other session.sh runs (a detached soak) carry another tag and stay.
+  kill_stage "$dir" "$tag"; sleep 2
   find "$dir" -maxdepth 1 \( -name '*.json' -o -name '*.md' -o -name '*.png' -o -name '*.xml' \) -size -4M -exec cp {} "$OUT/" \;
 done
 # One archive with every stage's logs (results come back as a few files only).

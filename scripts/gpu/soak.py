@@ -26,6 +26,9 @@ than max_tokens is an error. Every SAMPLE_S seconds a sampler reads the server's
 ``/metrics`` (``vllm:generation_tokens_total``) and the client's counters: tokens/s over the
 window, requests done, errors, timeouts. After MINUTES no new request starts; the in-flight ones
 finish (bounded by their deadline), the server's process group is killed, the ballast freed.
+With --gpu-memory-utilization U (or SOAK_GPU_UTIL=U) there is no ballast: the server's ranks
+are capped at U of their card, so other GPU work can run beside the soak (its tokens/s then
+dip while that work runs).
 
 Writes OUTDIR/soak.json (config, boot time, MTP on or off and why, totals, latency percentiles,
 every sample, the first errors) and OUTDIR/soak.png (tokens/s over time; matplotlib with the
@@ -414,6 +417,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--boot-timeout", type=float, default=420.0)
     ap.add_argument("--no-mtp", action="store_true", help="serve without speculative decoding")
     ap.add_argument("--port", type=int, default=PORT)
+    ap.add_argument("--gpu-memory-utilization", type=float,
+                    default=float(os.environ["SOAK_GPU_UTIL"]) if os.environ.get("SOAK_GPU_UTIL") else None,
+                    help="share the GPUs with other work: no ballast, each rank's budget capped at this "
+                         "share of its card (default from SOAK_GPU_UTIL; unset: ballast, whole free memory)")
     args = ap.parse_args(argv)
     if args.minutes <= 0 or args.concurrency < 1 or args.request_timeout <= 0 or args.sample_s <= 0:
         ap.error("--minutes, --request-timeout and --sample-s must be > 0 and --concurrency >= 1")
@@ -459,15 +466,19 @@ def main(argv: list[str] | None = None) -> int:
            "--enforce-eager", "--dtype", "bfloat16", "--max-num-seqs", str(max(16, 2 * args.concurrency))]
     if mtp:
         cmd += ["--speculative-config", json.dumps(MTP)]
+    shared = args.gpu_memory_utilization is not None
+    if shared:
+        cmd += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     log = out / "soak_server.log"
     result: dict = {"config": {"minutes": args.minutes, "concurrency": args.concurrency, "preset": args.preset,
                                "request_timeout_s": args.request_timeout, "sample_s": args.sample_s,
-                               "ballast_free_gib": FREE_GIB, "mtp": mtp, "mtp_why": mtp_why,
+                               "ballast_free_gib": None if shared else FREE_GIB,
+                               "shared_gpus": shared, "mtp": mtp, "mtp_why": mtp_why,
                                "command": " ".join(cmd[:2] + ["MODEL"] + cmd[3:])}}
     stats = Stats()
     samples: list[dict] = []
     t0 = time.time()
-    with ballast(FREE_GIB, out / "logs"):
+    with ballast([None, None] if shared else FREE_GIB, out / "logs"):
         proc = start(cmd, log, {"VLLM_DUALGPU_PLAN_FILE": str(out / "soak_plan.json")})
 
         def on_signal(signum, frame):  # a stage timeout or Ctrl-C: take the server down first

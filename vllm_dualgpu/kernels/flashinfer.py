@@ -1,4 +1,4 @@
-"""FlashInfer on a mixed pair: the CuTe-DSL target per rank, and autotune only when ranks agree.
+"""FlashInfer under PP: the CuTe-DSL target per rank, and no autotune across pipeline stages.
 
 - ``CUTE_DSL_ARCH``: the CuTe DSL (``nvidia-cutlass-dsl``, used by FlashInfer's and vLLM's
   CuTe-DSL kernels) compiles for ``CUTE_DSL_ARCH`` when set, else for the capability of CUDA
@@ -8,9 +8,12 @@
   :func:`set_cute_dsl_arch_for_current_device`.
 - FlashInfer autotune (``kernel_config.enable_flashinfer_autotune``, read by
   ``vllm/model_executor/warmup/kernel_warmup.py``) runs only on ranks with SM 9.0+ and averages
-  its timings over the world group, so ranks that differ in capability wait for each other
-  forever. The executor decides before it spawns workers, from the capabilities NVML reports
-  for the GPUs it uses: :func:`decide_flashinfer_autotune` / :func:`apply_flashinfer_autotune_policy`.
+  each tactic's timing over vLLM's *world* group. Pipeline stages run different layers, so
+  they tune different ops in different rounds and the collectives stop matching: the boot hangs
+  (vLLM issue #52291; the per-stage-group fix, PR #57198, was not merged). Ranks that differ in
+  capability hang even sooner (only SM 9.0+ ranks join). With more than one stage, autotune is
+  off. The executor decides before it spawns workers, from the capabilities NVML reports for
+  the GPUs it uses: :func:`decide_flashinfer_autotune` / :func:`apply_flashinfer_autotune_policy`.
 """
 
 from __future__ import annotations
@@ -72,7 +75,8 @@ def decide_flashinfer_autotune(
 
     ``user_value`` is ``kernel_config.enable_flashinfer_autotune`` as configured (vLLM's
     optimization level fills it in when the user did not). Ranks of different capabilities
-    turn it off, whatever it was; otherwise the configured value stands.
+    turn it off, whatever it was; so do two or more pipeline stages on equal cards (see the
+    module docstring); one rank keeps the configured value.
     """
     caps = [(int(c[0]), int(c[1])) for c in capabilities]
     distinct = sorted(set(caps))
@@ -84,8 +88,15 @@ def decide_flashinfer_autotune(
             "each other forever"
         )
         return False, ("kept off: " if user_value is False else "turned off: ") + why
+    if len(caps) > 1:
+        why = (
+            f"{len(caps)} pipeline stages (capability {_cap(distinct[0])}): vLLM averages autotune "
+            "timings over the world group, but each stage tunes different ops, so the ranks' "
+            "collectives stop matching and the boot hangs (vLLM #52291, #57198)"
+        )
+        return False, ("kept off: " if user_value is False else "turned off: ") + why
     same = _cap(distinct[0]) if distinct else "unknown"
-    return user_value, f"all ranks have capability {same}: left as configured ({user_value})"
+    return user_value, f"one rank, capability {same}: left as configured ({user_value})"
 
 
 def apply_flashinfer_autotune_policy(
@@ -93,13 +104,15 @@ def apply_flashinfer_autotune_policy(
 ) -> bool | None:
     """Executor side, before workers spawn: set ``kernel_config.enable_flashinfer_autotune``.
 
-    Logs a WARNING when it turns a configured ``True`` off, INFO otherwise when it changes it.
+    Logs a WARNING when mixed capabilities turn a configured ``True`` off, INFO for any other
+    change (turning it off for pipeline stages is this package's normal case, not a problem).
     """
+    caps = [tuple(c) for c in capabilities]
     before = kernel_config.enable_flashinfer_autotune
-    value, why = decide_flashinfer_autotune(capabilities, before)
+    value, why = decide_flashinfer_autotune(caps, before)
     if value != before:
         kernel_config.enable_flashinfer_autotune = value
-        log = logger.warning if before else logger.info
+        log = logger.warning if before and len(set(caps)) > 1 else logger.info
         log("vllm-dualgpu: FlashInfer autotune %s", why)
     else:
         logger.debug("vllm-dualgpu: FlashInfer autotune %s", why)
