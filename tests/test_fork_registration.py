@@ -48,8 +48,8 @@ def test_forked_worker_applies_worker_patches_once():
     parent = next(l for l in r.stdout.splitlines() if l.startswith("PARENT ")).split(" ", 1)[1]
     assert parent.split(",") == frontend_only  # the parent's record is its own
     logs = r.stdout + r.stderr
-    assert sum("vllm-dualgpu 0.1.0 (worker, vLLM" in l for l in logs.splitlines()) == 1
-    assert sum("vllm-dualgpu 0.1.0 (frontend, vLLM" in l for l in logs.splitlines()) == 1
+    assert sum("vllm-dualgpu 0.1.0 (worker, pid" in l for l in logs.splitlines()) == 1
+    assert sum("vllm-dualgpu 0.1.0 (frontend, pid" in l for l in logs.splitlines()) == 1
 
 
 def test_worker_class_ensures_patches_before_vllm_builds_it(monkeypatch):

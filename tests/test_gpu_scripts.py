@@ -249,7 +249,8 @@ def test_plan_covers_every_comparison(quick):
     assert any(ra == rb and "mtp" in ra and pa == "no-hits" and pb in e2e.HIT_PASSES for _, ra, pa, rb, pb in comps)
 
 
-def test_engine_settings_per_run(tmp_path):
+def test_engine_settings_per_run(tmp_path, monkeypatch):
+    monkeypatch.delenv("E2E_BATCH_INVARIANT", raising=False)
     stock = e2e.Run("dense-1gpu", "dense", 1, gpu="0")
     plug = e2e.Run("hybrid-mtp-pp2", "hybrid", 2, mtp=True)
     ks, kp = e2e.engine_kwargs(stock, tmp_path), e2e.engine_kwargs(plug, tmp_path)
@@ -260,9 +261,16 @@ def test_engine_settings_per_run(tmp_path):
         assert k["enforce_eager"] and k["dtype"] == "bfloat16" and k["max_model_len"] == e2e.MAX_MODEL_LEN
         assert k["skip_tokenizer_init"] and not k["disable_log_stats"]
     es, ep = e2e.run_env(stock, tmp_path), e2e.run_env(plug, tmp_path)
-    assert es["CUDA_VISIBLE_DEVICES"] == "0" and es["VLLM_BATCH_INVARIANT"] == "1"
+    # Batch invariance is opt-in: its NCCL_ALGO leaves the PP sampled-token broadcast no algorithm.
+    assert es["CUDA_VISIBLE_DEVICES"] == "0" and "VLLM_BATCH_INVARIANT" not in es
+    assert es["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
     assert "CUDA_VISIBLE_DEVICES" not in ep and "VLLM_BATCH_INVARIANT" not in ep
     assert ep["CUBLAS_WORKSPACE_CONFIG"] == ":16:8" and ep["VLLM_DUALGPU_PLAN_FILE"].endswith(".plan.json")
+    # Hybrid runs name their GDN prefill kernel (the same in every run); dense ones do not.
+    assert kp["additional_config"] == {"gdn_prefill_backend": e2e.GDN_PREFILL_BACKEND}
+    assert "additional_config" not in ks
+    monkeypatch.setenv("E2E_BATCH_INVARIANT", "1")
+    assert e2e.run_env(stock, tmp_path)["VLLM_BATCH_INVARIANT"] == "1" and stock.invariant
 
 
 def _fake_run(out: Path, name: str, model: str, prompts: dict, outputs: dict, mtp: bool, cached: dict):
@@ -273,7 +281,7 @@ def _fake_run(out: Path, name: str, model: str, prompts: dict, outputs: dict, mt
     (out / "outputs").mkdir(exist_ok=True)
     (out / "outputs" / f"{name}.json").write_text(json.dumps({"error": None, "passes": passes}))
     engine = {"enable_prefix_caching": True} | ({"speculative_config": e2e.MTP} if mtp else {})
-    return {"ok": True, "run": {"name": name, "model": model}, "engine": engine,
+    return {"ok": True, "run": {"name": name, "model": model, "invariant": model == "dense"}, "engine": engine,
             "passes": {p: {k: v for k, v in d.items() if k not in ("outputs", "logprobs")} for p, d in passes.items()}}
 
 
@@ -645,6 +653,7 @@ def fake_vllm(tmp_path, monkeypatch):
 
 def test_e2e_harness_end_to_end_with_a_stand_in_engine(fake_vllm, monkeypatch):
     monkeypatch.delenv("FAKE_DIVERGE", raising=False)
+    monkeypatch.setenv("E2E_BATCH_INVARIANT", "1")  # opt-in: dense runs then compare strictly
     rc = e2e.main([str(fake_vllm), "--quick", "--run-timeout", "60"])
     report = json.loads((fake_vllm / "e2e_correctness.json").read_text())
     bad = [(c["name"], c.get("reason")) for c in report["comparisons"] if not c["ok"]]
@@ -763,6 +772,18 @@ def test_serve_smoke_finds_the_plugin_line_of_every_process(tmp_path):
     with log.open("a") as f:
         f.write(f"(Worker pid=3777) INFO 11-30 11:13:33 [plugin.py:86] {v} (worker, vLLM 0.30.0): applied x; skipped none\n")
     assert serve_smoke.summarize_log(log)["plugin_line_per_process"]["two workers"] is True
+    # Spawned workers log the plugin line before vLLM's "(Worker pid=...)" prefix exists: the
+    # line's own pid tells them apart (as in the 2026-11-30 `vllm serve` log).
+    log.write_text("\n".join([
+        f"INFO 11-30 12:38:46 [plugin.py:86] {v} (frontend, pid 1200, vLLM 0.30.0): applied a; skipped none",
+        f"(EngineCore pid=4297) INFO 11-30 12:39:08 [plugin.py:86] {v} (engine, pid 4297, vLLM 0.30.0): applied b; skipped none",
+        f"INFO 11-30 12:39:29 [plugin.py:86] {v} (worker, pid 4424, vLLM 0.30.0): applied c; skipped none",
+    ]) + "\n")
+    assert serve_smoke.summarize_log(log)["plugin_line_per_process"]["two workers"] is False
+    with log.open("a") as f:
+        f.write(f"INFO 11-30 12:39:30 [plugin.py:86] {v} (worker, pid 4425, vLLM 0.30.0): applied c; skipped none\n")
+    assert serve_smoke.summarize_log(log)["plugin_line_per_process"] == {
+        "frontend": True, "engine": True, "two workers": True}
 
 
 def test_bench_memory_table_compares_prediction_with_measurement():

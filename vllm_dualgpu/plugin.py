@@ -74,12 +74,14 @@ def _log_summary(where: str, version: str, active: bool, outcomes: list[Outcome]
     skipped = [o.short() for o in outcomes if o.status not in (APPLIED, ALREADY)]
     if not outcomes and WORKER in where and not active:
         logger.info(
-            "vllm-dualgpu %s (%s, vLLM %s): inactive, this run does not use the dualgpu "
-            "executor", __version__, where, version,
+            "vllm-dualgpu %s (%s, pid %d, vLLM %s): inactive, this run does not use the "
+            "dualgpu executor", __version__, where, os.getpid(), version,
         )
         return
-    msg = "vllm-dualgpu %s (%s, vLLM %s): applied %s; skipped %s"
-    args = (__version__, where, version, ", ".join(applied) or "none", "; ".join(skipped) or "none")
+    # The pid tells the processes apart: a spawned worker logs this before vLLM prefixes its
+    # lines with the process name.
+    msg = "vllm-dualgpu %s (%s, pid %d, vLLM %s): applied %s; skipped %s"
+    args = (__version__, where, os.getpid(), version, ", ".join(applied) or "none", "; ".join(skipped) or "none")
     if skipped:
         logger.warning(msg, *args)
     else:

@@ -139,7 +139,16 @@ class DualGpuWorker(Worker):
         handler = getattr(self.model_runner, "pp_handler", None)
         if handler is not None and getattr(handler, "broadcast_group", None) is not None:
             tokens = torch.zeros(2, dtype=torch.int64, device=self.device)
-            dist.broadcast(tokens, src=g.last_rank, group=handler.broadcast_group)
+            try:
+                dist.broadcast(tokens, src=g.last_rank, group=handler.broadcast_group)
+            except Exception as exc:  # e.g. NCCL_ALGO leaves broadcast no algorithm
+                # vLLM's own first broadcast will meet the same; say so here, where it is clear.
+                logger.warning(
+                    "vllm-dualgpu rank %d: the pipeline's sampled-token broadcast failed before "
+                    "profiling (%s); vLLM uses it for every step. NCCL_ALGO=%r, NCCL_PROTO=%r "
+                    "(VLLM_BATCH_INVARIANT=1 sets allreduce:tree, which leaves broadcast none).",
+                    self.rank, str(exc).splitlines()[0], os.environ.get("NCCL_ALGO"),
+                    os.environ.get("NCCL_PROTO"))
         torch.cuda.synchronize(self.device)
         used = free_before - torch.cuda.mem_get_info(self.device)[0]
         rank_summary.note("pp comms", f"{_gib(used)} (NCCL buffers, counted before the KV pool)")

@@ -36,9 +36,12 @@ run (prefix-cache hits with speculative decoding must give the tokens of the cac
 also against the run with prefix caching off, and MTP on vs off). A pass that should hit the
 prefix cache and hit nothing, or an MTP run that drafted nothing, fails its comparison.
 
-Exactness: dense runs use ``VLLM_BATCH_INVARIANT=1`` (vLLM 0.30 supports it on Hopper: FlashAttention
-with one split, batch-invariant RMSNorm, no split-K GEMMs), so their tokens must be identical:
-any difference fails. vLLM 0.30 refuses batch-invariant mode for every Mamba/GDN backend
+Exactness: with ``E2E_BATCH_INVARIANT=1`` dense runs use ``VLLM_BATCH_INVARIANT=1`` (vLLM 0.30
+supports it on Hopper: FlashAttention with one split, batch-invariant RMSNorm, no split-K GEMMs),
+so their tokens must be identical: any difference fails. It is off by default: it sets
+``NCCL_ALGO=allreduce:tree``, under which NCCL 2.32 has no algorithm for the broadcast that
+vLLM 0.30's pipeline uses for sampled tokens, so no PP=2 engine boots with it (seen on two H200s,
+docs/gpu-runs.md); dense runs are then compared like hybrid ones. vLLM 0.30 refuses batch-invariant mode for every Mamba/GDN backend
 (``vllm/v1/attention/selector.py``: none declares ``supports_batch_invariance``), and the GDN
 prefill kernels compute a prompt in chunks whose boundaries move with a prefix-cache hit and with
 the scheduler's batch, so the hybrid runs cannot promise bitwise-equal logits: they run with
@@ -78,6 +81,9 @@ MAX_BATCHED_TOKENS = 32768  # holds one whole pass: prompts are not split by the
 LOGPROBS = 5
 TIE_TOL = 0.1  # nats; logits near 4 are 0.03 apart in bf16
 MTP = {"method": "mtp", "num_speculative_tokens": 2}
+# GDN prefill kernel for the hybrid runs, the same in every run. vLLM picks FlashInfer's on SM 9.0,
+# which needs the CuTe DSL (nvidia-cutlass-dsl); Triton's runs wherever vLLM does.
+GDN_PREFILL_BACKEND = os.environ.get("GDN_PREFILL_BACKEND", "triton")
 PASSES = ("no-hits", "prefix-hits", "full-hits")
 HIT_PASSES = ("prefix-hits", "full-hits")
 PRESETS = {"dense": "small-dense", "hybrid": "small-hybrid"}
@@ -239,7 +245,7 @@ class Run:
 
     @property
     def invariant(self) -> bool:
-        return self.model == "dense"
+        return self.model == "dense" and os.environ.get("E2E_BATCH_INVARIANT") == "1"
 
 
 def plan_runs(quick: bool) -> list[list[list[Run]]]:
@@ -287,6 +293,8 @@ def engine_kwargs(run: Run, model_dir: Path) -> dict:
         kw["gpu_memory_utilization"] = float(os.environ["E2E_ONE_GPU_UTIL"])
     if run.mtp:
         kw["speculative_config"] = dict(MTP)
+    if run.model == "hybrid":
+        kw["additional_config"] = {"gdn_prefill_backend": GDN_PREFILL_BACKEND}
     return kw
 
 
@@ -325,7 +333,7 @@ def execute(run: Run, model_dir: Path, prompts: dict, out: Path, timeout: float)
     finally:
         stop_group(proc)
         LIVE.discard(proc)
-    info: dict = {"run": asdict(run), "env": env, "engine": spec["engine"], "wall_s": round(time.time() - t0, 1),
+    info: dict = {"run": {**asdict(run), "invariant": run.invariant}, "env": env, "engine": spec["engine"], "wall_s": round(time.time() - t0, 1),
                   "log": str(log.relative_to(out))}
     if result_path.exists():
         res = json.loads(result_path.read_text())
@@ -376,8 +384,8 @@ def make_comparisons(out: Path, runs: dict, prompts: dict, quick: bool, strict: 
     results = []
     for name, ra, pa, rb, pb in planned_comparisons(quick):
         c: dict = {"name": name, "a": f"{ra}:{pa}", "b": f"{rb}:{pb}"}
-        c["strict"] = strict or (runs.get(ra, {}).get("run", {}).get("model") == "dense"
-                                 and runs.get(rb, {}).get("run", {}).get("model") == "dense")
+        c["strict"] = strict or (runs.get(ra, {}).get("run", {}).get("invariant") is True
+                                 and runs.get(rb, {}).get("run", {}).get("invariant") is True)
         oa, ob = load_outputs(out, ra), load_outputs(out, rb)
         if oa is None or ob is None:
             missing = [r for r, o in ((ra, oa), (rb, ob)) if o is None]

@@ -38,7 +38,9 @@ def summarize_log(log: Path) -> dict:
                               r"warm|Warm|autotun|compil")[:60],
     }
     lines = res["plugin_lines"]
-    workers = {re.search(r"pid=(\d+)", l).group(1) for l in lines if "(worker," in l and "pid=" in l}
+    # The plugin's line names its pid ("(worker, pid 4424, ..."); vLLM's prefix may add "pid=".
+    workers = {m.group(1) or m.group(2) for l in lines if "(worker," in l
+               for m in [re.search(r"\(worker, pid (\d+)|pid=(\d+)", l)] if m}
     res["plugin_line_per_process"] = {
         "frontend": any("(frontend," in l for l in lines),
         "engine": any("(engine," in l for l in lines),

@@ -466,6 +466,8 @@ def main(argv: list[str] | None = None) -> int:
            "--enforce-eager", "--dtype", "bfloat16", "--max-num-seqs", str(max(16, 2 * args.concurrency))]
     if mtp:
         cmd += ["--speculative-config", json.dumps(MTP)]
+    if "hybrid" in args.preset:  # as in e2e_correctness.py: the same GDN prefill kernel everywhere
+        cmd += ["--additional-config", json.dumps({"gdn_prefill_backend": os.environ.get("GDN_PREFILL_BACKEND", "triton")})]
     shared = args.gpu_memory_utilization is not None
     if shared:
         cmd += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]

@@ -89,6 +89,8 @@ def engine_kwargs(model_dir: Path) -> dict:
         max_model_len=4096,
         gpu_memory_utilization=0.3,
         seed=0,
+        # FlashInfer's GDN prefill (vLLM's pick on SM 9.0) needs nvidia-cutlass-dsl; Triton's does not.
+        additional_config={"gdn_prefill_backend": os.environ.get("GDN_PREFILL_BACKEND", "triton")},
     )
 
 
