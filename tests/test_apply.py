@@ -147,19 +147,17 @@ def test_plan_file(make_config, big_first_pair, monkeypatch, tmp_path):
 def test_each_rank_gets_its_prediction(make_config, big_first_pair):
     import os
 
-    from vllm_dualgpu.worker import used_vs_predicted
+    from vllm_dualgpu.worker import profiled_vs_predicted
 
     applied = apply.apply_plan(make_config())
-    pairs = [envs.rank_pairs(envs.RANK_PREDICTED, r) for r in range(2)]
-    # Rank 0 is GPU 1 (16 GiB free), rank 1 GPU 0 (32 GiB free).
-    assert [p[0] for p in pairs] == [16 * GiB, 32 * GiB]
-    for (free, predicted), rank in zip(pairs, applied.plan.ranks):
-        assert predicted == free - rank.predicted_free_after_bytes
-        assert 0 < predicted < free
-    free, predicted = pairs[0]
-    line = used_vs_predicted(free - int(predicted * 1.02), pairs[0])
-    assert line.endswith("(+2.0%)") and "predicted" in line
-    assert os.environ[envs.RANK_PREDICTED].count(",") == 1
+    predicted = [envs.rank_values(envs.RANK_PREDICTED, r) for r in range(2)]
+    assert predicted == [r.kv_budget_bytes for r in applied.plan.ranks]
+    assert all(p > 0 for p in predicted) and os.environ[envs.RANK_PREDICTED].count(",") == 1
+    # Rank 0 sits on the 16 GiB card, rank 1 on the 32 GiB one: rank 1's KV budget is larger.
+    assert predicted[1] > predicted[0]
+    requested = 15 * GiB
+    line = profiled_vs_predicted(requested, predicted[0] - 100 * 2**20, predicted[0])
+    assert "+100 MiB" in line and "measured by vLLM" in line
 
 
 def test_context_far_too_long_fails_before_weights_load(make_config, big_first_pair):

@@ -137,6 +137,9 @@ def test_hook_answers_for_each_threads_current_device(libs):
     fact = rank_summary.facts()["sm-hook"]
     assert "libfakevllm_lazy.so" in fact and SYMBOL in fact and "1 PLT slot rewritten" in fact
     assert hex(report.new_target) in fact and "libfakecudart.so" in fact
+    # ... and what the hook answers on the installing thread's device (the worker's own GPU).
+    assert report.answer in (89, 120, 90) and report.answer == _C.sm_version_current_device()
+    assert f"answers {report.answer} here" in fact
 
 
 def test_second_install_is_a_no_op(libs):

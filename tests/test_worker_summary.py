@@ -19,7 +19,7 @@ def fake_rank(monkeypatch):
 
     rank_summary.clear()
     monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "11,29")
-    monkeypatch.setenv(envs.RANK_PREDICTED, f"{16 * GiB}:{15 * GiB},{32 * GiB}:{30 * GiB}")
+    monkeypatch.setenv(envs.RANK_PREDICTED, f"{5 * GiB},{14 * GiB}")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (int(1.5 * GiB), 140 * GiB))
     r = object.__new__(w.DualGpuWorker)
     r.rank, r.device = 1, "cuda:1"
@@ -46,11 +46,81 @@ def test_summary_line_has_every_field(fake_rank, caplog):
     assert "9261 blocks x 16 tokens" in line
     # 9,261 x 16 = 148,176 tokens of pool, capped at --max-model-len for one request.
     assert "max context: 32,768 tokens (pool 148,176)" in line
-    # Used = 32 GiB free at planning - 1.5 GiB free now = 30.5 GiB, predicted 30 GiB.
-    assert "used: 30.50 GiB of the card's free memory, predicted 30.00 GiB (+1.7%)" in line
     assert line.endswith("free after: 1.50 GiB")
+
+
+def test_profile_is_compared_with_the_plan():
+    # Measured on two H200s (docs/benchmarks.md, split 10/30, rank 0): budget 13.57 GiB, vLLM
+    # left 5.67 GiB for KV; a plan that predicted 5.69 GiB is 20 MiB off.
+    line = w.profiled_vs_predicted(int(13.57 * GiB), int(5.67 * GiB), int(5.69 * GiB))
+    assert line == "7.90 GiB measured by vLLM, predicted 7.88 GiB (+20 MiB, +0.3%)"
+    assert w.profiled_vs_predicted(10 * GiB, 4 * GiB, None) == "6.00 GiB (no plan to compare)"
 
 
 def test_rank_budget_respects_reserve_and_cap():
     assert w.rank_budget(free=14 * GiB, total=16 * GiB, reserve=GiB, cap=None) == 13 * GiB
     assert w.rank_budget(free=14 * GiB, total=16 * GiB, reserve=GiB, cap=8 * GiB) == 8 * GiB
+
+
+class _FakeDist:
+    """Records the pipeline warm-up's calls; broadcast can fail like NCCL under NCCL_ALGO."""
+
+    def __init__(self, broadcast_error=None):
+        self.calls, self.broadcast_error = [], broadcast_error
+
+    def isend(self, t, dst, group):
+        self.calls.append(("isend", dst, group))
+        return SimpleNamespace(wait=lambda: None)
+
+    def irecv(self, t, src, group):
+        self.calls.append(("irecv", src, group))
+        return SimpleNamespace(wait=lambda: None)
+
+    def broadcast(self, t, src, group):
+        self.calls.append(("broadcast", src, group))
+        if self.broadcast_error:
+            raise self.broadcast_error
+
+
+def _warm(monkeypatch, rank_in_group, dist, free=(10 * GiB, int(9.2 * GiB))):
+    import torch
+    import torch.distributed
+    import vllm.distributed.parallel_state as ps
+
+    group = SimpleNamespace(world_size=2, rank_in_group=rank_in_group, ranks=[4, 5], last_rank=5,
+                            device_group="pp-dev")
+    monkeypatch.setattr(ps, "get_pp_group", lambda: group)
+    for name in ("isend", "irecv", "broadcast"):
+        monkeypatch.setattr(torch.distributed, name, getattr(dist, name))
+    frees = iter(free)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (next(frees), 140 * GiB))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: None)
+    monkeypatch.setattr(torch, "zeros", lambda *a, **k: "zeros")
+    monkeypatch.setattr(torch, "empty_like", lambda t: "empty")
+    r = object.__new__(w.DualGpuWorker)
+    r.rank, r.device = rank_in_group, "cpu"
+    r.model_runner = SimpleNamespace(pp_handler=SimpleNamespace(broadcast_group="pp-bcast"))
+    rank_summary.clear()
+    r._warm_pp_communicators()
+    return rank_summary.facts()
+
+
+def test_pipeline_communicators_are_created_before_profiling(monkeypatch):
+    # First stage sends to the next, last stage receives; both join the sampled-token broadcast
+    # from the last rank. The memory this took is reported.
+    d0 = _FakeDist()
+    facts = _warm(monkeypatch, 0, d0)
+    assert d0.calls == [("isend", 5, "pp-dev"), ("broadcast", 5, "pp-bcast")]
+    assert facts["pp comms"].startswith("0.80 GiB")
+    d1 = _FakeDist()
+    _warm(monkeypatch, 1, d1)
+    assert d1.calls == [("irecv", 4, "pp-dev"), ("broadcast", 5, "pp-bcast")]
+
+
+def test_a_failing_broadcast_warm_up_is_a_warning_not_a_crash(monkeypatch, caplog):
+    caplog.set_level(logging.WARNING, logger="vllm.dualgpu")
+    logging.getLogger("vllm.dualgpu").propagate = True
+    monkeypatch.setenv("NCCL_ALGO", "allreduce:tree")
+    _warm(monkeypatch, 1, _FakeDist(RuntimeError("ncclInvalidUsage: no algorithm for Broadcast")))
+    (msg,) = [r.getMessage() for r in caplog.records if "broadcast" in r.getMessage()]
+    assert "ncclInvalidUsage" in msg and "allreduce:tree" in msg and "VLLM_BATCH_INVARIANT" in msg

@@ -133,6 +133,7 @@ def apply_plan(vllm_config) -> AppliedPlan:
             bandwidth_gbps=g.bandwidth_gbps,
             capability=g.capability,
             reserve_bytes=reserves_visible[i],
+            nvlink=g.nvlink,
         )
         for i, g in enumerate(used)
     ]
@@ -145,11 +146,8 @@ def apply_plan(vllm_config) -> AppliedPlan:
     if user_partition is None and partition:
         os.environ["VLLM_PP_LAYER_PARTITION"] = partition
     os.environ[envs.RANK_RESERVES] = ",".join(str(r) for r in reserves)
-    # What each rank should use of its card's free memory: its summary line compares.
-    os.environ[envs.RANK_PREDICTED] = ",".join(
-        f"{g.free_bytes}:{g.free_bytes - r.predicted_free_after_bytes}"
-        for g, r in zip(ranked, result.ranks)
-    )
+    # Each rank's predicted KV budget: its summary line compares vLLM's profile with it.
+    os.environ[envs.RANK_PREDICTED] = ",".join(str(r.kv_budget_bytes) for r in result.ranks)
     caps = _explicit_utilization_caps(vllm_config, ranked)
     if caps is not None:
         os.environ[envs.RANK_CAPS] = ",".join(str(c) for c in caps)

@@ -12,7 +12,7 @@ RESERVE = "VLLM_DUALGPU_RESERVE"
 DEFAULT_RESERVE_BYTES = 1024**3
 # What the split search maximises: pool (default), speed or auto (see docs/planner.md).
 OBJECTIVE = "VLLM_DUALGPU_OBJECTIVE"
-# Set by the executor for its workers: per rank "free_at_plan:predicted_used" in bytes.
+# Set by the executor for its workers: each rank's predicted KV budget in bytes, in rank order.
 RANK_PREDICTED = "VLLM_DUALGPU_RANK_PREDICTED"
 # Where the executor writes the plan it applied, as JSON (optional).
 PLAN_FILE = "VLLM_DUALGPU_PLAN_FILE"
@@ -73,17 +73,6 @@ def parse_partition(text: str | None, num_layers: int, pp_size: int) -> list[int
             f"summing to the model's {num_layers} layers"
         )
     return parts
-
-
-def rank_pairs(env: str, rank: int) -> tuple[int, int] | None:
-    text = os.environ.get(env)
-    if not text:
-        return None
-    pairs = text.split(",")
-    if rank >= len(pairs):
-        return None
-    a, b = pairs[rank].split(":")
-    return int(a), int(b)
 
 
 def rank_values(env: str, rank: int) -> int | None:

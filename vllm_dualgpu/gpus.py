@@ -15,6 +15,26 @@ class VisibleGpu:
     capability: tuple[int, int]
     bandwidth_gbps: float | None
     uuid: str
+    nvlink: bool | None = None  # an active NVLink; None when NVML cannot say
+
+
+def _has_nvlink(pynvml, handle) -> bool | None:
+    """Whether any NVLink of the card is active (NCCL then uses more, GPU-resident, buffers)."""
+    links = getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)
+    saw_answer = False
+    for link in range(links):
+        try:
+            if pynvml.nvmlDeviceGetNvLinkState(handle, link):
+                return True
+            saw_answer = True
+        except pynvml.NVMLError as exc:
+            # Consumer cards answer "not supported": no NVLink. Past the last link: stop.
+            if getattr(exc, "value", None) == getattr(pynvml, "NVML_ERROR_NOT_SUPPORTED", -1):
+                return False
+            break
+        except Exception:
+            return None
+    return False if saw_answer else None
 
 
 def _bandwidth_gbps(pynvml, handle) -> float | None:
@@ -78,6 +98,7 @@ def read_visible_gpus() -> list[VisibleGpu]:
                     capability=tuple(pynvml.nvmlDeviceGetCudaComputeCapability(h)),
                     bandwidth_gbps=_bandwidth_gbps(pynvml, h),
                     uuid=uuid.decode() if isinstance(uuid, bytes) else uuid,
+                    nvlink=_has_nvlink(pynvml, h),
                 )
             )
         return out

@@ -30,14 +30,22 @@ def rank_budget(free: int, total: int, reserve: int, cap: int | None) -> int:
     return budget
 
 
-def used_vs_predicted(free_now: int, plan: tuple[int, int] | None) -> str:
-    """What vLLM took of the card's free memory (as NVML saw it when planning) vs the plan."""
-    if plan is None:
-        return "n/a (no plan)"
-    free_at_plan, predicted = plan
-    used = free_at_plan - free_now
-    err = 100.0 * (used - predicted) / predicted if predicted else 0.0
-    return f"{_gib(used)} of the card's free memory, predicted {_gib(predicted)} ({err:+.1f}%)"
+def profiled_vs_predicted(requested: int, available_kv: int, predicted_kv: int | None) -> str:
+    """vLLM's profile of this rank (what it charges besides the KV cache) against the plan.
+
+    vLLM sizes the KV cache from ``requested`` (this rank's budget) minus what its profile run
+    measured: weights, the activation peak, and memory taken since its start snapshot (NCCL
+    buffers, workspaces). The planner predicted the KV budget that leaves; both are compared as
+    the non-KV part, in bytes and per cent.
+    """
+    measured = requested - available_kv
+    if predicted_kv is None:
+        return f"{_gib(measured)} (no plan to compare)"
+    predicted = requested - predicted_kv
+    diff = measured - predicted
+    err = 100.0 * diff / predicted if predicted else 0.0
+    return (f"{_gib(measured)} measured by vLLM, predicted {_gib(predicted)} "
+            f"({diff / 2**20:+.0f} MiB, {err:+.1f}%)")
 
 
 def _oom_detail(exc: BaseException) -> str:
@@ -107,7 +115,10 @@ class DualGpuWorker(Worker):
 
     def determine_available_memory(self) -> int:
         self._warm_pp_communicators()
-        return super().determine_available_memory()
+        available = super().determine_available_memory()
+        predicted = envs.rank_values(envs.RANK_PREDICTED, self.rank)
+        rank_summary.note("non-KV", profiled_vs_predicted(self.requested_memory, available, predicted))
+        return available
 
     def _warm_pp_communicators(self) -> None:
         """Create the pipeline's NCCL communicators now, so their buffers count before the KV pool.
@@ -209,7 +220,6 @@ class DualGpuWorker(Worker):
         if kv_tokens:
             ctx = min(kv_tokens, self.model_config.max_model_len)
             rank_summary.note("max context", f"{ctx:,} tokens (pool {kv_tokens:,})")
-        rank_summary.note("used", used_vs_predicted(free, envs.rank_pairs(envs.RANK_PREDICTED, self.rank)))
         rank_summary.note("free after", _gib(free))
         logger.info(rank_summary.line(f"vllm-dualgpu rank {pp_rank}/{pp_size}: "))
 

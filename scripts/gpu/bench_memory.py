@@ -8,7 +8,7 @@ comes first in PCI order and the plugin has to reorder. Model: Qwen3-14B-class s
 block-FP8 weights (dummy), bf16 KV, eager mode, max_model_len 32768 in every run.
 Runs: stock (mp) at utilization 0.90 / 0.11 / 0.10; the plugin with no extra flags (full boot
 and a generation); the plugin over a sweep of layer splits (stopped once the KV pool is
-known: the plugin's split +-2 layers and the even split; --full-sweep adds +-4 and +-6); the
+known: the plugin's split +-1 and +-2 layers and the even split; --full-sweep adds +-4 and +-6); the
 plugin with the model's full 262,144 context (must fail with the largest that fits).
 BENCH_SKIP_STOCK, BENCH_SKIP_SWEEP, BENCH_SKIP_FULL_CONTEXT (any value) leave those runs out.
 Writes OUTDIR/bench_memory.json and OUTDIR/bench_memory.md.
@@ -91,7 +91,7 @@ def main() -> int:
                      timeout=420)
         results.append(plugin)
         chosen = (plugin.get("plan") or {}).get("partition") or [12, 28]
-        steps = (-2, 2) if not full_sweep else (-6, -4, -2, 2, 4, 6)
+        steps = (-2, -1, 1, 2) if not full_sweep else (-6, -4, -2, -1, 1, 2, 4, 6)
         splits = [[chosen[0] + d, 40 - chosen[0] - d] for d in steps if 0 < chosen[0] + d < 40]
         if [20, 20] not in splits and chosen != [20, 20]:
             splits.append([20, 20])

@@ -58,6 +58,9 @@ class HookReport:
     """Address of the library's own definition of the symbol (the function now bypassed)."""
     cuda_runtime: str | None
     """The CUDA runtime the per-device function calls; None when the caller chose the target."""
+    answer: int | None = None
+    """What the per-device function answers on this thread's current device (e.g. 90), read
+    right after the install; None when the caller chose the target."""
 
     def summary(self) -> str:
         what = f"{self.rewritten} PLT slot{'s' if self.rewritten != 1 else ''} rewritten"
@@ -70,6 +73,8 @@ class HookReport:
         )
         if self.cuda_runtime:
             text += f", per current device via {os.path.basename(self.cuda_runtime)}"
+        if self.answer is not None:
+            text += f", answers {self.answer} here"
         if self.read_only:
             text += "; read-only GOT page, written through mprotect"
         return text + ")"
@@ -144,6 +149,7 @@ def install_sm_hook(
             binding=raw["binding"],
             definition=raw["definition"],
             cuda_runtime=runtime,
+            answer=native.sm_version_current_device() if runtime is not None else None,
         )
     rank_summary.note(SUMMARY_KEY, report.summary())
     logger.debug("vllm-dualgpu sm hook: %s", report.summary())

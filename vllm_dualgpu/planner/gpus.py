@@ -20,7 +20,8 @@ class GpuFacts:
     on that card for something else (a desktop, say). The planner budgets
     ``free_bytes - reserve_bytes`` and charges vLLM's own CUDA context and NCCL to the rank as a
     fixed cost. ``bandwidth_gbps`` (GB/s, decimal) feeds the decode-time estimate; ``capability``
-    is the compute capability, e.g. ``(12, 0)``.
+    is the compute capability, e.g. ``(12, 0)``; ``nvlink`` whether the card has an active NVLink
+    (NCCL's buffers for the pipeline are larger then; None: unknown, planned as PCIe).
     """
 
     index: int
@@ -30,6 +31,7 @@ class GpuFacts:
     bandwidth_gbps: float | None = None
     capability: tuple[int, int] | None = None
     reserve_bytes: int = 0
+    nvlink: bool | None = None
 
     @property
     def budget_bytes(self) -> int:

@@ -9,16 +9,21 @@ measures at boot (``gpu_worker.determine_available_memory``):
   (``activation_bytes``), on the last rank also the sampler's logits for ``max_num_seqs``
   requests (``sampler_bytes``), on rank 0 the vision encoder's profile pass;
 * persistent allocations made after the snapshot besides weights (cuBLAS/FlashInfer
-  workspaces, NCCL buffers: ``workspace_bytes``);
+  workspaces: ``workspace_bytes``; the pipeline's NCCL communicators, which the worker creates
+  before profiling: ``pp_comms_first_bytes`` / ``pp_comms_last_bytes``);
 * CUDA graphs, which vLLM estimates and subtracts (``cudagraph_bytes``; 0 with
   ``--enforce-eager``).
 
 Calibration (docs/benchmarks.md, 2026-11-30, two H200s with ballast leaving 16 and 32 GiB, a
 14B-class dense Qwen3 with block-FP8 weights, bf16 KV, eager, 16,384 batched tokens, 1,024
-sequences): besides weights and KV, a first rank used 3.93-4.05 GiB and the last rank
-4.84-4.99 GiB of the card's free memory, over four layer splits. The defaults below reproduce
-that (CUDA context + NCCL 1.4 GiB, activations 2.35 GiB, workspaces 0.25 GiB, sampler 0.85 GiB
-on the last rank). They were fitted to those runs and not yet checked on other models or cards.
+sequences): the activation, workspace and sampler constants below (CUDA context + NCCL 1.4 GiB,
+activations 2.35 GiB, workspaces 0.25 GiB, sampler 0.85 GiB on the last rank) were fitted to the
+first four runs. The pipeline communicators' NCCL buffers (``pp_comms_*``) were measured
+directly by the worker on the same machine (0.79 GiB first rank, 1.04 GiB last). With them the
+model predicted five later runs (splits 8/32 to 20/20) within 0.5-2.1% of the KV pool and the
+first rank's KV budget within 256 MiB. Not yet checked on other models or cards; NCCL over PCIe
+(the consumer pairs this package targets) uses fewer channels, so the comms term is likely high
+there.
 """
 
 from __future__ import annotations
@@ -45,6 +50,14 @@ class MemoryModel:
     sampler_bytes_per_logit: float = 6.0
     #: image patches the vision encoder's profile pass runs (about one 4-megapixel image)
     vision_profile_patches: int = 16384
+    #: NCCL buffers of the pipeline's communicators (hidden-state sends, sampled-token
+    #: broadcast), which the worker creates before profiling, when the cards have NVLink:
+    #: measured on two NVLink H200s (0.79 GiB on the first rank, 1.04 GiB on the last)
+    pp_comms_first_bytes: int = int(0.79 * GIB)
+    pp_comms_last_bytes: int = int(1.04 * GIB)
+    #: the same over PCIe (consumer cards: fewer channels, buffers in host memory without P2P).
+    #: An ESTIMATE, not measured yet; the worker's summary line reports the real figure.
+    pp_comms_pcie_bytes: int = 256 * MIB
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -81,6 +94,7 @@ def runtime_reserve(
     enforce_eager: bool,
     vision: bool,
     mm: MemoryModel,
+    nvlink: bool = False,
 ) -> dict[str, int]:
     """Runtime reserve of one rank, itemised (``sum(values)`` is the reserve).
 
@@ -96,6 +110,11 @@ def runtime_reserve(
     if last:
         parts["sampler"] = sampler_bytes(model, max_num_seqs, mm)
     parts["cuda_graphs"] = 0 if enforce_eager else mm.cudagraph_bytes
+    if not (first and last):  # a pipeline stage: its communicators (middle ranks send and receive)
+        if nvlink:
+            parts["pp_comms"] = mm.pp_comms_first_bytes if first else mm.pp_comms_last_bytes
+        else:
+            parts["pp_comms"] = mm.pp_comms_pcie_bytes
     return {k: v for k, v in parts.items() if v}
 
 

@@ -20,6 +20,7 @@ _RESERVE_LABELS = {
     "vision_encoder": "  vision encoder pass",
     "workspaces": "  workspaces",
     "cuda_graphs": "  CUDA graphs",
+    "pp_comms": "  NCCL buffers (pipeline)",
 }
 
 

@@ -282,6 +282,8 @@ class _Context:
         self.gpus = gpus_by_index
         mm = request.memory
         self.mm = mm
+        # NCCL sizes the pipeline's buffers by the link: NVLink only when every card has one.
+        self.nvlink = all(g.nvlink for g in gpus_by_index.values())
         self.drafter = DrafterSpec.from_speculative(request.speculative, model)
         num_spec = self.drafter.num_speculative_tokens if self.drafter else 0
         mode = request.mamba_cache_mode or ("align" if request.enable_prefix_caching else "none")
@@ -339,6 +341,7 @@ class _Context:
                     enforce_eager=request.enforce_eager,
                     vision=self.vision,
                     mm=mm,
+                    nvlink=self.nvlink,
                 )
         self.fixed_sum = {k: sum(v.values()) for k, v in self.fixed.items()}
         self.reserve_sum = {k: sum(v.values()) for k, v in self.reserve.items()}
@@ -756,7 +759,10 @@ def stock_estimate(
                     f"{util:.2f} x {g.total_bytes / GIB:.1f} GiB"
                 ), 0, 0
             fixed = ctx.fixed_sum[(first, last)] - ctx.mm.cuda_context_bytes
-            avail = requested - fixed - (ctx.W[end] - ctx.W[start]) - ctx.reserve_sum[(first, last)]
+            # Stock vLLM creates the pipeline's NCCL communicators after sizing the KV cache
+            # (this package creates them before profiling), so its sizing does not charge them.
+            charged = ctx.reserve_sum[(first, last)] - ctx.reserve[(first, last)].get("pp_comms", 0)
+            avail = requested - fixed - (ctx.W[end] - ctx.W[start]) - charged
             bpb = ctx.kv.bytes_per_block(start, end, last)
             if request.num_gpu_blocks_override is not None:
                 blocks.append(request.num_gpu_blocks_override)
