@@ -163,7 +163,7 @@ def test_overrides_from_flags_and_environment(capsys, monkeypatch):
 
 def test_bad_arguments_exit_2(capsys):
     for argv, msg in [
-        (["--gpus", "Mystery:oops"], "cannot read the size"),
+        (["--gpus", "Mystery:oops"], "--gpus: cannot read 'oops' as a memory size"),
         (["--layer-partition", "10,10"], "sums to 20"),
         (["--weight-format", "fp7"], "unknown weight format"),
         (["-tp", "2"], "tensor-parallel-size 1"),

@@ -9,10 +9,13 @@ GiB, MiB = 1024**3, 1024**2
 
 @pytest.mark.parametrize("text,expected", [
     ("0", 0), ("1.5GiB", int(1.5 * GiB)), ("512MiB", 512 * MiB), ("2", 2 * GiB),
-    ("1GB", 10**9), (" 3 gib ", 3 * GiB), ("4096", 4096),
+    ("1GB", 10**9), (" 3 gib ", 3 * GiB), ("4096", 4096), ("1G", GiB),
 ])
 def test_parse_size(text, expected):
-    assert envs.parse_size(text) == expected
+    from vllm_dualgpu.planner import parse_size as planner_parse_size
+
+    # One reader: the environment and the planner's --gpus read a size the same way.
+    assert envs.parse_size(text) == expected == planner_parse_size(text)
 
 
 @pytest.mark.parametrize("text", ["", "abc", "1.5XB", "-1GiB", "1,5GiB"])

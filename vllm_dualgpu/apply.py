@@ -93,7 +93,8 @@ def choose_gpus(visible: list[VisibleGpu], pp_size: int) -> list[VisibleGpu]:
 
 
 def apply_plan(vllm_config) -> AppliedPlan:
-    from vllm_dualgpu.planner import GpuFacts, ModelSpec
+    from vllm_dualgpu.gpus import to_gpu_facts
+    from vllm_dualgpu.planner import ModelSpec
 
     pc = vllm_config.parallel_config
     pp = pc.pipeline_parallel_size
@@ -124,19 +125,7 @@ def apply_plan(vllm_config) -> AppliedPlan:
     user_partition = envs.parse_partition(
         os.environ.get("VLLM_PP_LAYER_PARTITION"), model.num_layers, pp
     )
-    facts = [
-        GpuFacts(
-            index=i,
-            name=g.name,
-            total_bytes=g.total_bytes,
-            free_bytes=g.free_bytes,
-            bandwidth_gbps=g.bandwidth_gbps,
-            capability=g.capability,
-            reserve_bytes=reserves_visible[i],
-            nvlink=g.nvlink,
-        )
-        for i, g in enumerate(used)
-    ]
+    facts = to_gpu_facts(used, reserves_visible[: len(used)])
     result = plan_or_explain(model, facts, plan_request(vllm_config, user_partition))
 
     ranked = [used[i] for i in result.order]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 
 # Per-GPU memory kept free for other programs (a desktop, a browser), in visible-GPU order.
 RESERVE = "VLLM_DUALGPU_RESERVE"
@@ -21,24 +20,11 @@ RANK_RESERVES = "VLLM_DUALGPU_RANK_RESERVES"
 # Set by the executor for its workers: a per-rank cap on the budget (explicit utilization).
 RANK_CAPS = "VLLM_DUALGPU_RANK_CAPS"
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
-          "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4,
-          "tib": 1024**4}
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
-
-
 def parse_size(text: str, *, what: str = "size") -> int:
-    """'1.5GiB' -> bytes. Plain numbers are GiB when small (< 1024), else bytes."""
-    m = _SIZE.match(text)
-    unit = m.group(2).lower() if m else None
-    if not m or unit not in _UNITS:
-        raise ValueError(
-            f"{what}: cannot read {text!r} as a memory size; write e.g. 0, 512MiB, 1.5GiB"
-        )
-    value = float(m.group(1))
-    if unit == "":
-        return int(value * 1024**3) if value < 1024 else int(value)
-    return int(value * _UNITS[unit])
+    """'1.5GiB' -> bytes: the planner's reader (bare numbers are GiB below 1024, else bytes)."""
+    from vllm_dualgpu.planner.gpus import parse_size as _parse
+
+    return _parse(text, what=what)
 
 
 def parse_reserve(text: str | None, num_gpus: int) -> list[int]:

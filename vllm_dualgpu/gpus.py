@@ -104,3 +104,22 @@ def read_visible_gpus() -> list[VisibleGpu]:
         return out
     finally:
         pynvml.nvmlShutdown()
+
+
+def to_gpu_facts(gpus: list[VisibleGpu], reserves: list[int] | None = None) -> list:
+    """The planner's view of these GPUs (``GpuFacts``), indexed by their position in the list."""
+    from vllm_dualgpu.planner.gpus import GpuFacts
+
+    return [
+        GpuFacts(
+            index=i,
+            name=g.name,
+            total_bytes=g.total_bytes,
+            free_bytes=g.free_bytes,
+            bandwidth_gbps=g.bandwidth_gbps,
+            capability=g.capability,
+            reserve_bytes=reserves[i] if reserves else 0,
+            nvlink=g.nvlink,
+        ).with_known_defaults()
+        for i, g in enumerate(gpus)
+    ]

@@ -202,9 +202,9 @@ def _gpus_as_given(args, have_model: bool):
         return parse_gpus(args.gpus), notes
     if args.gpus or have_model:
         try:
-            from vllm_dualgpu.planner.gpus import from_nvml
+            from vllm_dualgpu.gpus import read_visible_gpus, to_gpu_facts
 
-            local = from_nvml()
+            local = to_gpu_facts(read_visible_gpus())  # honours CUDA_VISIBLE_DEVICES, as vLLM does
         except Exception as e:  # no driver, no pynvml, no GPU
             if args.gpus:
                 raise _Fail(f"--gpus local: cannot read GPUs through NVML ({e})") from None

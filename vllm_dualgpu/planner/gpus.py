@@ -134,12 +134,19 @@ def lookup(name: str) -> KnownGpu | None:
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B?|B)?\s*$", re.I)
 
 
-def parse_size(text: str) -> int:
-    """``'16GiB'``, ``'16G'`` (binary), ``'16GB'`` (decimal), ``'512MiB'``; a bare number is GiB."""
+def parse_size(text: str, *, what: str = "size") -> int:
+    """One reader for every memory size this package takes (``--gpus``, ``VLLM_DUALGPU_RESERVE``).
+
+    ``'16GiB'``, ``'16G'`` (binary), ``'16GB'`` (decimal), ``'512MiB'``, ``'0'``. A bare number
+    is GiB below 1024 and bytes from there (``'2'`` is 2 GiB, ``'4096'`` 4096 bytes).
+    Raises :class:`BadRequest` (a ``ValueError``) naming ``what`` and an example.
+    """
     m = _SIZE.match(text)
     if not m:
-        raise BadRequest(f"cannot read the size {text!r}; write e.g. 16GiB, 15.5GiB or 512MiB")
-    num, unit = float(m.group(1)), (m.group(2) or "GiB")
+        raise BadRequest(f"{what}: cannot read {text!r} as a memory size; write e.g. 0, 512MiB, 1.5GiB")
+    num, unit = float(m.group(1)), m.group(2)
+    if not unit:
+        return int(num * GIB) if num < 1024 else int(num)
     u = unit.upper()
     if u == "B":
         mult = 1
@@ -174,15 +181,15 @@ def parse_gpus(spec: str) -> list[GpuFacts]:
         keyed = dict(p.split("=", 1) for p in parts[1:] if "=" in p)
         known = lookup(name)
         if positional:
-            total = parse_size(positional[0])
+            total = parse_size(positional[0], what="--gpus")
         elif known is not None:
             total = known.total_bytes
         else:
             raise BadRequest(f"unknown GPU {name!r}: give its memory, e.g. '{name}:24GiB'")
-        free = parse_size(positional[1]) if len(positional) > 1 else total
+        free = parse_size(positional[1], what="--gpus") if len(positional) > 1 else total
         if "free" in keyed:
-            free = parse_size(keyed.pop("free"))
-        reserve = parse_size(keyed.pop("reserve")) if "reserve" in keyed else 0
+            free = parse_size(keyed.pop("free"), what="--gpus free=")
+        reserve = parse_size(keyed.pop("reserve"), what="--gpus reserve=") if "reserve" in keyed else 0
         bw = float(keyed.pop("bw")) if "bw" in keyed else None
         cc = None
         if "cc" in keyed:
@@ -204,26 +211,3 @@ def reference_pair() -> list[GpuFacts]:
     empty. No reserve: `vllm-dualgpu plan` adds the executor's (VLLM_DUALGPU_RESERVE, else
     1 GiB a card)."""
     return parse_gpus("RTX 5090,RTX 4070 Ti SUPER")
-
-
-def from_nvml() -> list[GpuFacts]:  # pragma: no cover - needs a GPU driver
-    """Read the local GPUs through NVML (PCI bus order). Imports pynvml lazily."""
-    import pynvml
-
-    pynvml.nvmlInit()
-    try:
-        out = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            name = pynvml.nvmlDeviceGetName(h)
-            if isinstance(name, bytes):
-                name = name.decode()
-            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
-            try:
-                cc = tuple(pynvml.nvmlDeviceGetCudaComputeCapability(h))
-            except Exception:
-                cc = None
-            out.append(GpuFacts(i, name, int(mem.total), int(mem.free), None, cc).with_known_defaults())
-        return out
-    finally:
-        pynvml.nvmlShutdown()
