@@ -124,7 +124,7 @@ def test_11_eagle3_drafter_on_a_model_that_cannot_relay(config_of, monkeypatch):
     cfg = config_of()
     cfg.model_config.hf_text_config.model_type = "qwen3_5"
     cfg.speculative_config = SimpleNamespace(method="eagle3")
-    monkeypatch.setattr(preflight, "_aux_relay_patch_declared", lambda: False)
+    monkeypatch.setattr(preflight, "aux_relay_problem", lambda architectures=(): "patch x is not in the registry")
     with pytest.raises(preflight.PreflightError, match="method 'eagle3' needs auxiliary hidden states.*'qwen3_5'"):
         preflight.check(cfg, 2)
 

@@ -111,3 +111,26 @@ def test_classmethod_stays_a_classmethod(fake_vllm):
     assert isinstance(vars(target.K)["cap"], classmethod)
     assert target.K.cap(1) == 162
     assert revert_patch(p) and target.K.cap(1) == 81
+
+
+def test_pinned_source_is_checked_before_anything_changes(tmp_path, monkeypatch):
+    from vllm_dualgpu.patches.source_check import check_in_file, function_digest
+
+    (tmp_path / "fake_pinned.py").write_text("def f(x, y):\n    return x + y\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import fake_pinned
+
+    factories = types.ModuleType("fake_factories")
+    factories.double_result = double_result
+    monkeypatch.setitem(sys.modules, "fake_factories", factories)
+    original = fake_pinned.f
+    pin = function_digest(original)
+    assert check_in_file("fake_pinned:f", ("x", "y"), pin) == ""  # the front end reads the file
+    other = make(target="fake_pinned:f", copies=(), source_sha256="0" * 64)
+    out = apply_patch(other, "0.30.0")
+    assert out.status == SKIPPED and "not the one this patch was written against" in out.reason
+    assert fake_pinned.f is original
+    assert "not the one" in check_in_file("fake_pinned:f", ("x", "y"), "0" * 64)
+    assert apply_patch(make(target="fake_pinned:f", copies=(), source_sha256=pin), "0.30.0").status == APPLIED
+    assert fake_pinned.f(1, 2) == 6
+    sys.modules.pop("fake_pinned", None)

@@ -73,3 +73,34 @@ def test_docs_patches_md_is_generated_from_the_registry():
 
     doc = Path(__file__).resolve().parents[1] / "docs" / "patches.md"
     assert doc.read_text() == render(), "docs/patches.md is stale: python -m vllm_dualgpu.patches.docs"
+
+
+def test_model_module_patches_wait_for_the_device():
+    """vLLM's GDN model files start CUDA when imported (flash_linear_attention's utils ask device
+    0 for its name and capability), so their patches apply in the 'device' phase, which
+    DualGpuWorker.init_device runs once its GPU is set; register() in a worker leaves them."""
+    from vllm_dualgpu.process import DEVICE
+
+    worker = {p.name for p in plugin.select_patches(frozenset({WORKER}), active=True)}
+    device = {p.name for p in plugin.select_patches(frozenset({DEVICE}), active=True)}
+    assert device == {"qwen3-next-aux-hidden-relay", "qwen3-5-aux-hidden-layers"}
+    assert not device & worker
+    assert plugin.select_patches(frozenset({DEVICE}), active=False) == ()
+
+
+def test_worker_registration_imports_no_model_module():
+    import subprocess
+    import sys
+
+    code = (
+        "import multiprocessing, sys\n"
+        "multiprocessing.current_process().name = 'VllmWorker-1'\n"
+        "from vllm_dualgpu import plugin\n"
+        "plugin.register()\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('vllm.model_executor.models.qwen3_next',\n"
+        "      'vllm.model_executor.models.qwen3_5', 'vllm.third_party.flash_linear_attention'))))\n"
+    )
+    env = {**__import__("os").environ, "VLLM_DUALGPU_ACTIVE": "1", "VLLM_TARGET_DEVICE": "cpu"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "[]"

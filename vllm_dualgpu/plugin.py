@@ -9,7 +9,7 @@ import threading
 from vllm_dualgpu._version import SUPPORTED_VLLM, __version__
 from vllm_dualgpu.log import logger
 from vllm_dualgpu.patches.core import ALREADY, APPLIED, Outcome, apply_patch, version_in_range
-from vllm_dualgpu.process import WORKER, current_process_kinds, dualgpu_active, process_label
+from vllm_dualgpu.process import DEVICE, WORKER, current_process_kinds, dualgpu_active, process_label
 
 _lock = threading.Lock()
 # What this process applied: {"pid", "kinds", "outcomes"}. Keyed by pid because vLLM forks its
@@ -26,7 +26,7 @@ def select_patches(kinds: frozenset[str], active: bool):
     """The registry entries for this process. Workers of other executors get none."""
     from vllm_dualgpu.patches.registry import PATCHES
 
-    if WORKER in kinds and not active:
+    if (WORKER in kinds or DEVICE in kinds) and not active:
         return ()
     return tuple(p for p in PATCHES if kinds.intersection(p.processes))
 
@@ -65,8 +65,28 @@ def ensure(kinds: frozenset[str]) -> list[Outcome]:
         active = dualgpu_active()
         outcomes = [apply_patch(p, version) for p in select_patches(new, active)]
         _state["outcomes"] = (_state["outcomes"] or []) + outcomes
-        _log_summary(where, version, active, outcomes)
+        if new == {DEVICE}:
+            _note_device_phase(outcomes)
+        else:
+            _log_summary(where, version, active, outcomes)
         return _state["outcomes"]
+
+
+def _note_device_phase(outcomes: list[Outcome]) -> None:
+    """The device phase goes into the rank's summary line (one INFO line per process already
+    came from register()); a skipped patch still gets its WARNING."""
+    from vllm_dualgpu import rank_summary
+
+    applied = [o.short() for o in outcomes if o.status in (APPLIED, ALREADY)]
+    skipped = [o.short() for o in outcomes if o.status not in (APPLIED, ALREADY)]
+    if skipped:
+        logger.warning("vllm-dualgpu (worker, pid %d): once the device was set, skipped %s",
+                       os.getpid(), "; ".join(skipped))
+    if outcomes:
+        text = ", ".join(applied) or "none"
+        if skipped:
+            text += f"; skipped {'; '.join(skipped)}"
+        rank_summary.note("patched once the device was set", text)
 
 
 def _log_summary(where: str, version: str, active: bool, outcomes: list[Outcome]) -> None:

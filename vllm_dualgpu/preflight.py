@@ -17,6 +17,13 @@ from vllm_dualgpu.log import logger
 # model types whose stages can relay them in vLLM 0.30 (eagle3_utils.py).
 AUX_METHODS = ("eagle3", "dflash")
 AUX_PP_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+# Model types whose decoder (Qwen3NextModel, Qwen3_5Model) relays them through the registry's
+# patches, in the workers; the text-only Qwen3.5 classes also need their layers set through
+# vLLM's mixin.
+AUX_RELAY_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+AUX_RELAY_PATCHES = ("qwen3-next-aux-hidden-relay", "qwen3-next-aux-hidden-flag")
+AUX_RELAY_TEXT_ONLY_PATCH = "qwen3-5-aux-hidden-layers"
+AUX_RELAY_TEXT_ONLY_ARCHS = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 
 
 class PreflightError(ValueError):
@@ -71,8 +78,20 @@ def _check_drafter(vllm_config) -> None:
     if sc is None or sc.method not in AUX_METHODS:
         return
     model_type = getattr(vllm_config.model_config.hf_text_config, "model_type", "")
-    if model_type in AUX_PP_MODEL_TYPES or _aux_relay_patch_declared():
+    if model_type in AUX_PP_MODEL_TYPES:
         return
+    if model_type in AUX_RELAY_MODEL_TYPES:
+        architectures = getattr(vllm_config.model_config.hf_config, "architectures", None) or ()
+        problem = aux_relay_problem(architectures)
+        if not problem:
+            return
+        raise PreflightError(
+            f"--speculative-config method '{sc.method}' needs auxiliary hidden states relayed "
+            f"between pipeline stages. vLLM 0.30 does not relay them for model type "
+            f"'{model_type}', and the vllm-dualgpu patches that do cannot apply here: {problem}. "
+            "Use method 'mtp' (if the model has MTP layers), run without speculative decoding, "
+            "or use --pipeline-parallel-size 1."
+        )
     raise PreflightError(
         f"--speculative-config method '{sc.method}' needs auxiliary hidden states relayed "
         f"between pipeline stages, which vLLM 0.30 does not do for model type '{model_type}'. "
@@ -81,10 +100,34 @@ def _check_drafter(vllm_config) -> None:
     )
 
 
-def _aux_relay_patch_declared() -> bool:
-    from vllm_dualgpu.patches.registry import PATCHES
+def aux_relay_problem(architectures=()) -> str:
+    """Why the auxiliary-hidden-state relay of the Qwen3-Next/Qwen3.5 family would not be in
+    place in the workers, or "" when it would.
 
-    return any("aux-hidden" in p.name for p in PATCHES)
+    The patches apply in the workers; here each one is checked as core's checks would check it
+    (declared, vLLM version in range, target with the expected parameters and pinned source),
+    reading vLLM's files instead of importing its model modules in the front end.
+    """
+    from vllm_dualgpu.patches.core import version_in_range
+    from vllm_dualgpu.patches.registry import PATCHES
+    from vllm_dualgpu.patches.source_check import check_in_file
+    from vllm_dualgpu.plugin import installed_vllm_version
+
+    names = list(AUX_RELAY_PATCHES)
+    if set(architectures) & set(AUX_RELAY_TEXT_ONLY_ARCHS):
+        names.append(AUX_RELAY_TEXT_ONLY_PATCH)
+    declared = {p.name: p for p in PATCHES}
+    version = installed_vllm_version()
+    for name in names:
+        patch = declared.get(name)
+        if patch is None:
+            return f"patch {name} is not in the registry"
+        if not version_in_range(version, patch.vllm_versions):
+            return f"patch {name} is written for vLLM {patch.vllm_versions}, found {version}"
+        reason = check_in_file(patch.target, patch.params, patch.source_sha256)
+        if reason:
+            return f"patch {name}: {reason}"
+    return ""
 
 
 def nvml_gpu_count() -> int | None:

@@ -11,7 +11,11 @@ import multiprocessing
 import os
 
 FRONTEND, ENGINE, WORKER = "frontend", "engine", "worker"
-ALL_PROCESSES = (FRONTEND, ENGINE, WORKER)
+# A worker once its CUDA device is set (DualGpuWorker.init_device). Patches whose target module
+# touches CUDA when imported (vLLM's GDN model files do) wait for it: imported earlier, in
+# register(), they would start CUDA before the worker has chosen its GPU.
+DEVICE = "device"
+ALL_PROCESSES = (FRONTEND, ENGINE, WORKER, DEVICE)
 
 # Set by DualGpuExecutor before it spawns workers; workers inherit it. Patches that change
 # behaviour check it, so other executors ("mp", "ray", ...) run exactly as stock vLLM.

@@ -72,6 +72,11 @@ class DualGpuWorker(Worker):
         # after the snapshot below, so pass that check with the smallest legal share first.
         self.cache_config.gpu_memory_utilization = 1e-6
         super().init_device()
+        from vllm_dualgpu import plugin
+        from vllm_dualgpu.process import DEVICE
+
+        # Patches whose vLLM module starts CUDA when imported, now that this rank's GPU is set.
+        plugin.ensure(frozenset({DEVICE}))
         snap = self.init_snapshot
         reserve = envs.rank_values(envs.RANK_RESERVES, self.rank) or 0
         cap = envs.rank_values(envs.RANK_CAPS, self.rank)

@@ -3,7 +3,8 @@
 A patch replaces one attribute of vLLM (a module function, a method, a classmethod or the
 getter of a property) with a wrapper built by a factory from the original. Before anything
 changes, every precondition is checked: the vLLM version is in range, the target exists and has
-the expected parameters, the factory loads, and every already imported module that holds a
+the expected parameters (and, for a patch that mirrors the target's code, the source it was
+written against), the factory loads, and every already imported module that holds a
 ``from x import f`` copy still holds the original. Only then is the target replaced and the
 copies rebound. A patched object carries a sentinel attribute, so a second application is a
 no-op. :func:`check_patch` runs the same checks without changing anything (``vllm-dualgpu
@@ -50,6 +51,10 @@ class Patch:
     """The project issue that owns the patch."""
     optional: bool = False
     """True when the package works (less well) without it; False makes a skip an error."""
+    source_sha256: str = ""
+    """For a patch that mirrors the target's code instead of calling it: the digest of the
+    target's source it was written against (:func:`source_check.function_digest`); any other
+    source is refused."""
 
     @property
     def module(self) -> str:
@@ -159,6 +164,15 @@ def _check(patch: Patch, vllm_version: str) -> Outcome | _Checked:
             SKIPPED,
             f"{patch.target} takes ({', '.join(found)}), expected ({', '.join(patch.params)})",
         )
+    if patch.source_sha256:
+        from vllm_dualgpu.patches.source_check import function_digest, source_mismatch
+
+        try:
+            digest = function_digest(original)
+        except (OSError, TypeError, SyntaxError) as exc:
+            return Outcome(patch, SKIPPED, f"cannot read the source of {patch.target}: {exc}")
+        if digest != patch.source_sha256:
+            return Outcome(patch, SKIPPED, source_mismatch(patch.target, digest, patch.source_sha256))
     # Only holders imported already hold a copy to rebind; a holder imported later binds the
     # replacement itself. Importing holders here would run their import-time code (some read
     # the device capability then) too early.

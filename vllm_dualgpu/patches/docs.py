@@ -21,6 +21,9 @@ its target exists with the expected parameters and that every `from x import f` 
 vLLM's original; if any check fails it changes nothing and the process logs why. Patched objects
 carry a sentinel, so applying twice is harmless. Patches that change behaviour act only when the
 `dualgpu` executor drives the run; with `mp`, `ray` or a class path vLLM behaves as stock.
+Processes: `frontend` (API server or the `LLM` caller), `engine` (EngineCore), `worker` (each
+GPU worker, when vLLM loads plugins there) and `device` (a dualgpu worker once its CUDA device
+is set, for targets whose module starts CUDA when imported; listed in the rank's summary line).
 
 """
 
@@ -35,6 +38,11 @@ def render() -> str:
         out.append(f"- **Processes:** {', '.join(p.processes)}\n")
         out.append(f"- **vLLM versions:** `{p.vllm_versions}`\n")
         out.append(f"- **Required:** {'no (optional)' if p.optional else 'yes'}\n")
+        if p.source_sha256:
+            out.append(
+                f"- **Source pinned:** sha256 `{p.source_sha256}` (the target's source this patch "
+                "mirrors; any other is refused)\n"
+            )
         out.append(f"- **Why:** {p.why}\n")
         out.append(f"- **Upstream:** {p.upstream}\n")
         out.append(f"- **Remove when:** {p.remove_when}\n")

@@ -8,7 +8,7 @@ why, which upstream issue or PR it relates to, and when it can go.
 from __future__ import annotations
 
 from vllm_dualgpu.patches.core import Patch
-from vllm_dualgpu.process import ENGINE, FRONTEND, WORKER
+from vllm_dualgpu.process import DEVICE, ENGINE, FRONTEND, WORKER
 
 V030 = ">=0.30.0,<0.31"
 
@@ -375,6 +375,74 @@ PATCHES: tuple[Patch, ...] = (
         factory="vllm_dualgpu.patches.qwen3_dflash:wrap_project_context_kv",
         params=("self", "context_states", "num_ctx", "num_layers", "num_kv_heads", "head_dim"),
         issue="#6",
+    ),
+    Patch(
+        name="qwen3-next-aux-hidden-relay",
+        target="vllm.model_executor.models.qwen3_next:Qwen3NextModel.forward",
+        processes=(DEVICE,),  # the model module starts CUDA when imported
+        vllm_versions=V030,
+        why=(
+            "EAGLE3 and DFlash drafters read auxiliary hidden states of target layers spread "
+            "over every PP stage; Qwen3NextModel.forward (the decoder of Qwen3-Next and, by "
+            "inheritance, of every Qwen3.5 model) sends only hidden_states/residual on, so vLLM "
+            "refuses these drafters under PP. The replacement is vLLM's forward with the relay "
+            "of Qwen2Model.forward added: each stage packs the states it captured into the "
+            "IntermediateTensors it sends (pack_local_aux_hidden_states) and the last stage puts "
+            "the upstream ones first (collect_remote_aux_hidden_states); the input state is "
+            "captured on the first stage only, as in Qwen2. Without PP or auxiliary layers it "
+            "computes what vLLM's forward does. Pinned to vLLM's source; the per-instance "
+            "declaration is qwen3-next-aux-hidden-flag."
+        ),
+        upstream="none for this family (vLLM PR #50514 added the relay for Qwen2/Llama; vLLM "
+        "PR #45985, open, relays for every EAGLE3 model through forward hooks)",
+        remove_when="the supported vLLM relays auxiliary hidden states across PP stages for "
+        "Qwen3-Next/Qwen3.5 (Qwen3NextModel declares supports_aux_hidden_states_over_pp)",
+        factory="vllm_dualgpu.patches.qwen3_next:wrap_forward",
+        params=("self", "input_ids", "positions", "intermediate_tensors", "inputs_embeds"),
+        issue="#6",
+        source_sha256="75c9cf51e414ead3d32d6ffb36698468a6b8821ff02ce1903fcd4f7f49483e61",
+    ),
+    Patch(
+        name="qwen3-next-aux-hidden-flag",
+        target="vllm.model_executor.models.interfaces:EagleModelMixin._set_aux_hidden_state_layers",
+        processes=(WORKER,),
+        vllm_versions=V030,
+        why=(
+            "vLLM reserves the relay slots (reserve_aux_intermediate_tensor_slots) and accepts "
+            "EAGLE3/DFlash under PP (verify_supports_aux_hidden_states_over_pp) only for a "
+            "decoder that declares supports_aux_hidden_states_over_pp. After vLLM's method has "
+            "set the layers and the PP slot layout, a Qwen3-Next/Qwen3.5 decoder whose class "
+            "runs the relaying forward (qwen3-next-aux-hidden-relay) declares it on the "
+            "instance, in dualgpu runs only. Every other decoder is left as vLLM made it, so a "
+            "skipped forward patch leaves vLLM's refusal in place."
+        ),
+        upstream="none (see qwen3-next-aux-hidden-relay)",
+        remove_when="qwen3-next-aux-hidden-relay goes",
+        factory="vllm_dualgpu.patches.models_interfaces:wrap_set_aux_hidden_state_layers",
+        params=("self", "layers"),
+        issue="#6",
+    ),
+    Patch(
+        name="qwen3-5-aux-hidden-layers",
+        target="vllm.model_executor.models.qwen3_5:Qwen3_5ForCausalLMBase.set_aux_hidden_state_layers",
+        processes=(DEVICE,),  # the model module starts CUDA when imported
+        vllm_versions=V030,
+        why=(
+            "Text-only Qwen3.5 models (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM) store the "
+            "auxiliary layers on the decoder directly, bypassing "
+            "EagleModelMixin._set_aux_hidden_state_layers, so the PP slot layout the relay needs "
+            "is never computed (Qwen3-Next and the multimodal Qwen3.5 classes go through the "
+            "mixin). In dualgpu runs a Qwen3-Next/Qwen3.5 decoder's layers are set through the "
+            "mixin (sorted, de-duplicated: the same states are captured). Pinned to vLLM's "
+            "source."
+        ),
+        upstream="none (see qwen3-next-aux-hidden-relay)",
+        remove_when="qwen3-next-aux-hidden-relay goes, or Qwen3.5 sets its layers through the "
+        "mixin",
+        factory="vllm_dualgpu.patches.qwen3_5:wrap_set_aux_hidden_state_layers",
+        params=("self", "layers"),
+        issue="#6",
+        source_sha256="445fa3c254ff474d21e24d3165797d9544be253fe9ae3fb8dca723b27df55c44",
     ),
 )
 

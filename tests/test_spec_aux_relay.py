@@ -1,0 +1,471 @@
+"""Issue #6, item 4: the Qwen3-Next/Qwen3.5 decoder relays auxiliary hidden states across PP
+stages, so vLLM accepts EAGLE3/DFlash drafters under PP for these models.
+
+vLLM's real classes, functions and patched forward are used throughout. The decoder layers are
+not: Gated DeltaNet layers need Triton kernels (no CPU path), so each decoder instance is built
+without ``__init__`` and given tiny torch layers and a norm with the same call signature
+(``layer(positions=, hidden_states=, residual=) -> (hidden_states, residual)``); everything the
+relay touches (the forward, vLLM's ``EagleModelMixin``, the runner's eagle3 utilities and
+``PPHandler.relay_aux_hidden_states``) is vLLM's or the patch's own code. The PP group is a
+stand-in (``parallel_state._PP``), as in tests/test_spec_decode_pp.py.
+
+``vllm.model_executor.models.qwen3_5`` imports a transformers module that needs torchvision,
+which this CPU environment lacks; the ``qwen3_5`` fixture then stands in for that one module with
+the PIL one's ``smart_resize`` (the only name vLLM takes from it), so vLLM's Qwen3.5 classes load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import sys
+import types
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from vllm_dualgpu.patches.core import (
+    ALREADY,
+    APPLIED,
+    SENTINEL,
+    SKIPPED,
+    Patch,
+    apply_patch,
+    check_patch,
+    revert_patch,
+)
+from vllm_dualgpu.patches.registry import PATCHES
+from vllm_dualgpu.process import ACTIVE_ENV
+
+RELAY, FLAG, LAYERS = "qwen3-next-aux-hidden-relay", "qwen3-next-aux-hidden-flag", "qwen3-5-aux-hidden-layers"
+HIDDEN, VOCAB, NUM_LAYERS = 8, 32, 4
+AUX_LAYERS = (3, 1, 2)  # unsorted, as drafter configs may give them
+
+
+def registry_patch(name: str) -> Patch:
+    return next(p for p in PATCHES if p.name == name)
+
+
+@pytest.fixture(scope="module")
+def vllm_version():
+    import vllm.platforms
+    from vllm.platforms.cpu import CpuPlatform
+
+    vllm.platforms._current_platform = CpuPlatform()
+    import vllm
+
+    return vllm.__version__
+
+
+@pytest.fixture(scope="module")
+def qwen3_5():
+    name = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
+    with pytest.MonkeyPatch.context() as mp:
+        if importlib.util.find_spec("torchvision") is None and name not in sys.modules:
+            from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as pil
+
+            stub = types.ModuleType(name)
+            stub.smart_resize = pil.smart_resize
+            mp.setitem(sys.modules, name, stub)
+        from vllm.model_executor.models import qwen3_5 as module
+
+        yield module
+
+
+@pytest.fixture
+def patched(vllm_version, qwen3_5):
+    """The three registry patches, applied for the test and reverted afterwards."""
+    done = []
+    for name in (RELAY, FLAG, LAYERS):
+        outcome = apply_patch(registry_patch(name), vllm_version)
+        assert outcome.status in (APPLIED, ALREADY), outcome.reason
+        done.append(registry_patch(name))
+    yield
+    for patch in done:
+        revert_patch(patch)
+
+
+@pytest.fixture
+def active(monkeypatch):
+    monkeypatch.setenv(ACTIVE_ENV, "1")
+
+
+@pytest.fixture
+def stage(monkeypatch):
+    """Set the PP group this process sees: stage(rank, world_size)."""
+    from vllm.distributed import parallel_state
+
+    monkeypatch.setattr(parallel_state, "_TP", SimpleNamespace(world_size=1))
+
+    def _set(rank: int, world: int):
+        group = SimpleNamespace(
+            world_size=world, rank_in_group=rank, is_first_rank=rank == 0, is_last_rank=rank == world - 1
+        )
+        monkeypatch.setattr(parallel_state, "_PP", group)
+        return group
+
+    return _set
+
+
+class StubLayer(nn.Module):
+    """Stands in for a Qwen3-Next decoder layer (GDN layers need Triton)."""
+
+    use_attn_reduce_scatter_for_moe = False  # read by Qwen3NextModel.use_sequence_parallel
+
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.proj = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, positions, hidden_states, residual):
+        residual = hidden_states if residual is None else hidden_states + residual
+        return torch.tanh(self.proj(residual)), residual
+
+
+class StubNorm(nn.Module):
+    def forward(self, hidden_states, residual):
+        x = hidden_states + residual
+        return x / x.norm(dim=-1, keepdim=True), x
+
+
+LAYER_STACK = nn.ModuleList(StubLayer(i) for i in range(NUM_LAYERS))
+torch.manual_seed(100)
+EMBED = nn.Embedding(VOCAB, HIDDEN)
+
+
+def decoder(cls, start: int, end: int):
+    """A ``cls`` (Qwen3NextModel or Qwen3_5Model) holding layers [start, end) of the stub stack."""
+    from vllm.model_executor.models.utils import make_empty_intermediate_tensors_factory
+
+    model = cls.__new__(cls)
+    nn.Module.__init__(model)
+    model.config = SimpleNamespace(hidden_size=HIDDEN)
+    model.embed_tokens = EMBED
+    model.layers = LAYER_STACK
+    model.start_layer, model.end_layer = start, end
+    model.norm = StubNorm()
+    model.aux_hidden_state_layers = ()
+    model.do_not_compile = True  # vLLM's compile wrapper then calls self.forward
+    model.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
+        ["hidden_states", "residual"], HIDDEN
+    )
+    return model
+
+
+def causal_lm(cls, inner):
+    """A ``cls`` (a Qwen3-Next/Qwen3.5 *ForCausalLM) around ``inner``, built without __init__."""
+    model = cls.__new__(cls)
+    nn.Module.__init__(model)
+    model.model = inner
+    model.make_empty_intermediate_tensors = inner.make_empty_intermediate_tensors
+    return model
+
+
+def spec_config(layers=AUX_LAYERS):
+    hf = SimpleNamespace(eagle_aux_hidden_state_layer_ids=list(layers))
+    return SimpleNamespace(draft_model_config=SimpleNamespace(hf_config=hf))
+
+
+INPUT_IDS = torch.tensor([1, 5, 7, 30, 2])
+POSITIONS = torch.arange(5)
+
+
+def run(model, intermediate=None):
+    ids = INPUT_IDS if intermediate is None else None
+    return model(ids, POSITIONS, intermediate_tensors=intermediate)
+
+
+# --- (b) the relay itself ---------------------------------------------------------------------
+
+
+def test_two_stages_give_the_last_stage_every_state_in_order(patched, active, stage):
+    from vllm.model_executor.models.qwen3_next import Qwen3NextModel
+    from vllm.sequence import IntermediateTensors
+
+    stage(0, 1)
+    whole = decoder(Qwen3NextModel, 0, NUM_LAYERS)
+    whole._set_aux_hidden_state_layers(AUX_LAYERS)
+    ref_hidden, ref_aux = run(whole)
+    assert len(ref_aux) == 3
+
+    stage(0, 2)
+    first = decoder(Qwen3NextModel, 0, 2)
+    first._set_aux_hidden_state_layers(AUX_LAYERS)
+    sent = run(first)
+    assert isinstance(sent, IntermediateTensors)
+    # Layers 1 and 2 are captured on the first stage (inputs of layers 1 and 2).
+    assert sorted(sent.tensors) == ["aux_hidden_states_0", "aux_hidden_states_1", "hidden_states", "residual"]
+    torch.testing.assert_close(sent["aux_hidden_states_0"], ref_aux[0])
+    torch.testing.assert_close(sent["aux_hidden_states_1"], ref_aux[1])
+
+    stage(1, 2)
+    last = decoder(Qwen3NextModel, 2, NUM_LAYERS)
+    last._set_aux_hidden_state_layers(AUX_LAYERS)
+    assert (last._aux_slot_base_cached, last._aux_upstream_total_cached) == (2, 2)
+    hidden, aux = run(last, sent)
+    torch.testing.assert_close(hidden, ref_hidden)
+    assert len(aux) == 3
+    for got, want in zip(aux, ref_aux):
+        torch.testing.assert_close(got, want)
+
+    # vLLM 0.30's forward: the first stage sends no auxiliary states and the last stage returns
+    # only its own, so the drafter would get one state instead of three.
+    stock = Qwen3NextModel.forward.__wrapped__
+    stage(0, 2)
+    stock_sent = stock(first, INPUT_IDS, POSITIONS)
+    assert sorted(stock_sent.tensors) == ["hidden_states", "residual"]
+    stage(1, 2)
+    last._aux_upstream_total_cached = 0  # vLLM's forward never reads the upstream slots
+    _, stock_aux = stock(last, None, POSITIONS, stock_sent)
+    assert len(stock_aux) == 1
+
+
+def test_three_stages_relay_through_the_middle(patched, active, stage):
+    """The middle stage adds its own slots after the upstream ones; vLLM's PPHandler forwards
+    the upstream slots (aux_hidden_state_relay_keys) next to them."""
+    from vllm.model_executor.models.qwen3_next import Qwen3NextModel
+    from vllm.v1.worker.gpu.pp_utils import PPHandler
+    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import aux_hidden_state_relay_keys
+
+    layers = (1, 3, 4)
+    stage(0, 1)
+    whole = decoder(Qwen3NextModel, 0, NUM_LAYERS)
+    whole._set_aux_hidden_state_layers(layers)
+    ref_hidden, ref_aux = run(whole)
+
+    stage(0, 3)
+    a = decoder(Qwen3NextModel, 0, 1)
+    a._set_aux_hidden_state_layers(layers)
+    sent_a = run(a)
+    assert sorted(k for k in sent_a.tensors if k.startswith("aux")) == ["aux_hidden_states_0"]
+
+    stage(1, 3)
+    b = decoder(Qwen3NextModel, 1, 3)
+    b._set_aux_hidden_state_layers(layers)
+    keys = aux_hidden_state_relay_keys(causal_lm(nn.Module, b))
+    assert keys == ("aux_hidden_states_0",)
+    out_b = run(b, sent_a)
+    assert sorted(k for k in out_b.tensors if k.startswith("aux")) == ["aux_hidden_states_1"]
+    sent_b = PPHandler.relay_aux_hidden_states(SimpleNamespace(aux_hidden_state_relay_keys=keys), sent_a, out_b)
+
+    stage(2, 3)
+    c = decoder(Qwen3NextModel, 3, NUM_LAYERS)
+    c._set_aux_hidden_state_layers(layers)
+    hidden, aux = run(c, sent_b)
+    torch.testing.assert_close(hidden, ref_hidden)
+    assert len(aux) == len(ref_aux) == 3
+    for got, want in zip(aux, ref_aux):
+        torch.testing.assert_close(got, want)
+
+
+def test_without_pp_the_forward_computes_what_vllm_does(patched, stage):
+    from vllm.model_executor.models.qwen3_next import Qwen3NextModel
+
+    stage(0, 1)
+    model = decoder(Qwen3NextModel, 0, NUM_LAYERS)
+    stock = Qwen3NextModel.forward.__wrapped__
+    torch.testing.assert_close(run(model), stock(model, INPUT_IDS, POSITIONS))  # no aux layers
+    model._set_aux_hidden_state_layers((0, 2, 4))
+    hidden, aux = run(model)
+    stock_hidden, stock_aux = stock(model, INPUT_IDS, POSITIONS)
+    torch.testing.assert_close(hidden, stock_hidden)
+    assert len(aux) == len(stock_aux) == 3
+    for got, want in zip(aux, stock_aux):
+        torch.testing.assert_close(got, want)
+
+
+# --- (a) vLLM's checks accept the patched classes and refuse the stock ones --------------------
+
+
+def accept_under_pp(model) -> dict:
+    """What the V2 runner does at load time on the last of two stages (model_runner.py:409-418)."""
+    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import (
+        set_eagle3_aux_hidden_state_layers,
+        verify_supports_aux_hidden_states_over_pp,
+    )
+
+    set_eagle3_aux_hidden_state_layers(model, spec_config())
+    verify_supports_aux_hidden_states_over_pp(model, "eagle3")
+    return model.make_empty_intermediate_tensors(3, torch.float32, "cpu").tensors
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_text", "qwen3_5_vl"])
+def test_vllm_accepts_eagle3_under_pp_with_the_patches(patched, active, stage, qwen3_5, family):
+    from vllm.model_executor.models.qwen3_next import Qwen3NextForCausalLM, Qwen3NextModel
+
+    stage(1, 2)
+    if family == "qwen3_next":
+        inner = decoder(Qwen3NextModel, 2, NUM_LAYERS)
+        model = causal_lm(Qwen3NextForCausalLM, inner)
+    else:
+        inner = decoder(qwen3_5.Qwen3_5Model, 2, NUM_LAYERS)
+        model = causal_lm(qwen3_5.Qwen3_5ForCausalLM, inner)
+        if family == "qwen3_5_vl":  # the multimodal class reaches the decoder through the mixin
+            vl = qwen3_5.Qwen3_5ForConditionalGeneration.__new__(qwen3_5.Qwen3_5ForConditionalGeneration)
+            nn.Module.__init__(vl)
+            vl.language_model = model
+            vl.get_language_model = lambda lm=model: lm  # as _mark_language_model records it
+            vl.make_empty_intermediate_tensors = inner.make_empty_intermediate_tensors
+            model = vl
+    keys = accept_under_pp(model)
+    assert inner.supports_aux_hidden_states_over_pp is True
+    assert inner.aux_hidden_state_layers == (1, 2, 3)
+    # The last stage receives the two states captured upstream (layers 1 and 2).
+    assert sorted(keys) == ["aux_hidden_states_0", "aux_hidden_states_1", "hidden_states", "residual"]
+    assert not type(inner).supports_aux_hidden_states_over_pp  # declared per instance only
+
+
+def test_vllm_refuses_the_stock_classes(vllm_version, qwen3_5, active, stage):
+    from vllm.model_executor.models.qwen3_next import Qwen3NextForCausalLM, Qwen3NextModel
+
+    for name in (RELAY, FLAG, LAYERS):
+        revert_patch(registry_patch(name))
+    stage(1, 2)
+    for inner, cls in (
+        (decoder(Qwen3NextModel, 2, NUM_LAYERS), Qwen3NextForCausalLM),
+        (decoder(qwen3_5.Qwen3_5Model, 2, NUM_LAYERS), qwen3_5.Qwen3_5ForCausalLM),
+    ):
+        with pytest.raises(ValueError, match="does not support eagle3 with pipeline parallelism"):
+            accept_under_pp(causal_lm(cls, inner))
+
+
+@pytest.mark.parametrize("missing", [RELAY, FLAG, LAYERS])
+def test_any_missing_piece_leaves_vllms_refusal(vllm_version, qwen3_5, active, stage, missing):
+    """Each patch alone changes nothing vLLM checks: the declaration needs the forward, and the
+    text-only Qwen3.5 class needs its layers set through the mixin."""
+    for name in (RELAY, FLAG, LAYERS):
+        if name == missing:
+            revert_patch(registry_patch(name))
+        else:
+            assert apply_patch(registry_patch(name), vllm_version).status in (APPLIED, ALREADY)
+    try:
+        stage(1, 2)
+        inner = decoder(qwen3_5.Qwen3_5Model, 2, NUM_LAYERS)
+        with pytest.raises(ValueError, match="does not support eagle3"):
+            accept_under_pp(causal_lm(qwen3_5.Qwen3_5ForCausalLM, inner))
+    finally:
+        for name in (RELAY, FLAG, LAYERS):
+            revert_patch(registry_patch(name))
+
+
+def test_other_executors_keep_vllms_refusal(patched, stage, monkeypatch, qwen3_5):
+    monkeypatch.delenv(ACTIVE_ENV, raising=False)
+    stage(1, 2)
+    inner = decoder(qwen3_5.Qwen3_5Model, 2, NUM_LAYERS)
+    with pytest.raises(ValueError, match="does not support eagle3"):
+        accept_under_pp(causal_lm(qwen3_5.Qwen3_5ForCausalLM, inner))
+    assert inner.aux_hidden_state_layers == AUX_LAYERS  # vLLM's own method ran (unsorted)
+
+
+# --- (c) apply, re-apply, revert, pinned source -----------------------------------------------
+
+
+def test_apply_is_idempotent_and_revert_restores(vllm_version, qwen3_5):
+    from vllm.model_executor.models.interfaces import EagleModelMixin
+    from vllm.model_executor.models.qwen3_next import Qwen3NextModel
+
+    owners = {RELAY: (Qwen3NextModel, "forward"), FLAG: (EagleModelMixin, "_set_aux_hidden_state_layers"),
+              LAYERS: (qwen3_5.Qwen3_5ForCausalLMBase, "set_aux_hidden_state_layers")}
+    for name, (owner, attr) in owners.items():
+        patch = registry_patch(name)
+        revert_patch(patch)
+        original = vars(owner)[attr]
+        assert apply_patch(patch, vllm_version).status == APPLIED
+        replaced = vars(owner)[attr]
+        assert getattr(replaced, SENTINEL) == name and replaced.__wrapped__ is original
+        assert apply_patch(patch, vllm_version).status == ALREADY and vars(owner)[attr] is replaced
+        assert revert_patch(patch) and vars(owner)[attr] is original
+        assert not revert_patch(patch)
+    # Qwen3.5's decoder inherits the forward; the replacement has no closure (vLLM's bytecode
+    # hook swaps its __code__) and a qualname of its own (vLLM's AOT cache key).
+    assert "forward" not in vars(qwen3_5.Qwen3_5Model)
+    assert apply_patch(registry_patch(RELAY), vllm_version).status == APPLIED
+    try:
+        assert qwen3_5.Qwen3_5Model.forward is Qwen3NextModel.forward
+        assert Qwen3NextModel.forward.__closure__ is None
+        assert Qwen3NextModel.forward.__qualname__ != Qwen3NextModel.forward.__wrapped__.__qualname__
+    finally:
+        revert_patch(registry_patch(RELAY))
+
+
+@pytest.mark.parametrize("name", [RELAY, LAYERS])
+def test_other_source_is_refused_before_anything_changes(vllm_version, qwen3_5, name):
+    from vllm_dualgpu.patches.source_check import check_in_file
+
+    patch = registry_patch(name)
+    revert_patch(patch)
+    # The front end's file check and the worker's live check agree on vLLM's source.
+    assert check_patch(patch, vllm_version).status == "ready"
+    assert check_in_file(patch.target, patch.params, patch.source_sha256) == ""
+    other = dataclasses.replace(patch, source_sha256="0" * 64)
+    from vllm_dualgpu.patches.core import _function_of, _raw_attr, _resolve_owner
+
+    before = _function_of(_raw_attr(*_resolve_owner(patch)))
+    outcome = apply_patch(other, vllm_version)
+    assert outcome.status == SKIPPED and "not the one this patch was written against" in outcome.reason
+    assert _function_of(_raw_attr(*_resolve_owner(patch))) is before
+    assert "not the one this patch was written against" in check_in_file(other.target, other.params, other.source_sha256)
+
+
+# --- (d) preflight ----------------------------------------------------------------------------
+
+
+def drafter_config(model_type: str, method: str = "eagle3", architectures=("Qwen3_5ForConditionalGeneration",)):
+    return SimpleNamespace(
+        speculative_config=SimpleNamespace(method=method),
+        model_config=SimpleNamespace(
+            hf_text_config=SimpleNamespace(model_type=model_type),
+            hf_config=SimpleNamespace(architectures=list(architectures)),
+        ),
+    )
+
+
+@pytest.mark.parametrize(
+    "model_type,arch",
+    [("qwen3_5_text", "Qwen3_5ForConditionalGeneration"), ("qwen3_5_moe_text", "Qwen3_5MoeForConditionalGeneration"),
+     ("qwen3_5_text", "Qwen3_5ForCausalLM"), ("qwen3_next", "Qwen3NextForCausalLM")],
+)
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_preflight_accepts_the_family_when_the_relay_applies(model_type, arch, method):
+    from vllm_dualgpu import preflight
+
+    before = set(sys.modules)
+    preflight._check_drafter(drafter_config(model_type, method, (arch,)))
+    # Decided from vLLM's files: no model module is imported in the front end.
+    assert not {m for m in set(sys.modules) - before if m.startswith("vllm.model_executor.models.")}
+
+
+def test_preflight_refuses_when_a_relay_patch_is_missing_or_would_skip(monkeypatch):
+    from vllm_dualgpu import preflight
+    from vllm_dualgpu.patches import registry
+
+    without = tuple(p for p in PATCHES if p.name != LAYERS)
+    monkeypatch.setattr(registry, "PATCHES", without)
+    preflight._check_drafter(drafter_config("qwen3_5_text"))  # the multimodal class needs no LAYERS
+    with pytest.raises(preflight.PreflightError, match=f"patch {LAYERS} is not in the registry"):
+        preflight._check_drafter(drafter_config("qwen3_5_text", architectures=("Qwen3_5ForCausalLM",)))
+
+    pinned_elsewhere = tuple(
+        dataclasses.replace(p, source_sha256="0" * 64) if p.name == RELAY else p for p in PATCHES
+    )
+    monkeypatch.setattr(registry, "PATCHES", pinned_elsewhere)
+    with pytest.raises(preflight.PreflightError, match=f"method 'dflash' needs auxiliary.*'qwen3_next'.*{RELAY}.*not the one"):
+        preflight._check_drafter(drafter_config("qwen3_next", "dflash"))
+
+    monkeypatch.setattr(registry, "PATCHES", PATCHES)
+    from vllm_dualgpu import plugin
+
+    monkeypatch.setattr(plugin, "installed_vllm_version", lambda: "0.31.0")
+    with pytest.raises(preflight.PreflightError, match="written for vLLM >=0.30.0,<0.31, found 0.31.0"):
+        preflight._check_drafter(drafter_config("qwen3_5_text"))
+
+
+def test_preflight_keeps_refusing_other_model_types_and_accepts_vllms_own():
+    from vllm_dualgpu import preflight
+
+    with pytest.raises(preflight.PreflightError, match="which vLLM 0.30 does not do for model type 'deepseek_v3'"):
+        preflight._check_drafter(drafter_config("deepseek_v3", architectures=("DeepseekV3ForCausalLM",)))
+    preflight._check_drafter(drafter_config("llama", architectures=("LlamaForCausalLM",)))
+    preflight._check_drafter(drafter_config("qwen3_5_text", method="mtp"))
