@@ -54,3 +54,22 @@ def write_config(tmp_path):
         return d
 
     return _write
+
+
+@pytest.fixture(scope="module")
+def vllm_version():
+    """vLLM on its CPU platform (no GPU here); the installed version, for applying patches."""
+    import vllm
+    import vllm.platforms
+    from vllm.platforms.cpu import CpuPlatform
+
+    vllm.platforms._current_platform = CpuPlatform()
+    return vllm.__version__
+
+
+def registry_patch(name: str):
+    """The registry's entry called ``name``."""
+    from vllm_dualgpu.patches.registry import PATCHES
+
+    return next(p for p in PATCHES if p.name == name)
+

@@ -26,12 +26,12 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import registry_patch
 from vllm_dualgpu.patches.core import (
     ALREADY,
     APPLIED,
     SENTINEL,
     SKIPPED,
-    Patch,
     apply_patch,
     check_patch,
     revert_patch,
@@ -42,21 +42,6 @@ from vllm_dualgpu.process import ACTIVE_ENV
 RELAY, FLAG, LAYERS = "qwen3-next-aux-hidden-relay", "qwen3-next-aux-hidden-flag", "qwen3-5-aux-hidden-layers"
 HIDDEN, VOCAB, NUM_LAYERS = 8, 32, 4
 AUX_LAYERS = (3, 1, 2)  # unsorted, as drafter configs may give them
-
-
-def registry_patch(name: str) -> Patch:
-    return next(p for p in PATCHES if p.name == name)
-
-
-@pytest.fixture(scope="module")
-def vllm_version():
-    import vllm.platforms
-    from vllm.platforms.cpu import CpuPlatform
-
-    vllm.platforms._current_platform = CpuPlatform()
-    import vllm
-
-    return vllm.__version__
 
 
 @pytest.fixture(scope="module")

@@ -16,28 +16,13 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import registry_patch
 from vllm_dualgpu.patches.core import ALREADY, APPLIED, SENTINEL, Patch, apply_patch, revert_patch
-from vllm_dualgpu.patches.registry import PATCHES
 from vllm_dualgpu.process import ACTIVE_ENV
 
 from pathlib import Path
 
 FIXTURES = Path(__file__).parent / "fixtures"
-
-
-def registry_patch(name: str) -> Patch:
-    return next(p for p in PATCHES if p.name == name)
-
-
-@pytest.fixture(scope="module")
-def vllm_version():
-    import vllm.platforms
-    from vllm.platforms.cpu import CpuPlatform
-
-    vllm.platforms._current_platform = CpuPlatform()
-    import vllm
-
-    return vllm.__version__
 
 
 @pytest.fixture(scope="module")

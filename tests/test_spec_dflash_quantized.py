@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import registry_patch
 from vllm_dualgpu.patches.core import ALREADY, APPLIED, apply_patch, revert_patch
-from vllm_dualgpu.patches.registry import PATCHES
 from vllm_dualgpu.process import ACTIVE_ENV
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, GROUP, LAYERS = 64, 4, 2, 32, 32, 2
@@ -73,16 +73,6 @@ def w4a16_gemm_ref(self, layer, x, bias=None):
     return out if bias is None else out + bias
 
 
-@pytest.fixture(scope="module")
-def vllm_version():
-    import vllm
-    import vllm.platforms
-    from vllm.platforms.cpu import CpuPlatform
-
-    vllm.platforms._current_platform = CpuPlatform()
-    return vllm.__version__
-
-
 @pytest.fixture
 def kernels(monkeypatch, vllm_version):
     """One TP rank, and PyTorch references for the ops that need vLLM's compiled kernels."""
@@ -100,7 +90,7 @@ def kernels(monkeypatch, vllm_version):
 def patched(vllm_version):
     from vllm.model_executor.models.qwen3_dflash import DFlashQwen3Model
 
-    patches = [next(p for p in PATCHES if p.name == n) for n in NAMES]
+    patches = [registry_patch(n) for n in NAMES]
     for p in patches:
         assert apply_patch(p, vllm_version).status in (APPLIED, ALREADY)
     yield DFlashQwen3Model
