@@ -12,13 +12,12 @@ import dataclasses
 import pytest
 import torch
 
+from conftest import registry_patch
 from test_spec_decode_pp import (  # noqa: F401  (fixtures and helpers of the item-7 tests)
     applied,
     kv_layout,
     mamba_spec,
     pp_configs,
-    registry_patch,
-    vllm_version,
 )
 
 from vllm_dualgpu.patches import kv_cache_utils as kvp
