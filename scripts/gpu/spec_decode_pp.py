@@ -744,11 +744,6 @@ def checks(result: dict) -> dict:
     c = result.get("child") or {}
     workers = sorted(c.get("workers") or [], key=lambda w: w["pp_rank"])
     lines = result.get("plugin_lines", [])
-
-    def applied_in(kind: str, names: tuple[str, ...]) -> bool:
-        sel = [l for l in lines if re.search(rf"[(+]{kind}[,+ )]", l)]
-        return bool(sel) and all(all(n in l for n in names) for l in sel)
-
     last = workers[-1] if workers else {}
     return {
         "generated": len(c.get("outputs") or []) == len(prompts()),
@@ -758,12 +753,13 @@ def checks(result: dict) -> dict:
         "drafter on the last rank only": bool(workers) and "drafter" in last
         and all("drafter" not in w for w in workers[:-1]),
         "drafter embedding is the target's": last.get("drafter_embed_is_target_embed") is True,
-        "engine applied its issue #6 patches": applied_in("engine", ENGINE_PATCHES),
-        "workers applied their issue #6 patches": applied_in("worker", WORKER_PATCHES),
+        "engine applied its issue #6 patches": _applied_in(lines, "engine", ENGINE_PATCHES),
+        "workers applied their issue #6 patches": _applied_in(lines, "worker", WORKER_PATCHES),
     }
 
 
 def _applied_in(lines: list[str], kind: str, names: tuple[str, ...]) -> bool:
+    """Whether every plugin line of process kind ``kind`` lists all ``names`` as applied."""
     sel = [l for l in lines if re.search(rf"[(+]{kind}[,+ )]", l)]
     return bool(sel) and all(all(n in l for n in names) for l in sel)
 
