@@ -126,7 +126,7 @@ def table(results) -> str:
                     f"{r.get('boot_s', '-')} | {pk} |")
     ranks = [l for r in results for l in r.get("rank_lines", [])]
     if ranks:
-        rows += ["", "Per-rank summary lines (used vs predicted memory):", ""]
+        rows += ["", "Per-rank summary lines (non-KV memory: vLLM's profile vs the plan):", ""]
         rows += [f"    {l.split('] ', 1)[-1]}" for l in ranks]
     return "\n".join(rows) + "\n"
 
