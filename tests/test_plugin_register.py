@@ -104,3 +104,24 @@ def test_worker_registration_imports_no_model_module():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_device_phase_goes_into_the_rank_summary(caplog):
+    """No second INFO line per process: applied device-phase patches are listed in the rank's
+    summary line; a skipped one also gets a WARNING saying why."""
+    from conftest import registry_patch
+
+    from vllm_dualgpu import rank_summary
+    from vllm_dualgpu.patches.core import APPLIED, SKIPPED, Outcome
+
+    caplog.set_level(logging.INFO, logger="vllm.dualgpu")
+    logging.getLogger("vllm.dualgpu").propagate = True
+    rank_summary.clear()
+    relay, layers = registry_patch("qwen3-next-aux-hidden-relay"), registry_patch("qwen3-5-aux-hidden-layers")
+    plugin._note_device_phase([Outcome(relay, APPLIED), Outcome(layers, SKIPPED, "source differs")])
+    fact = rank_summary.facts()["patched once the device was set"]
+    assert fact == "qwen3-next-aux-hidden-relay; skipped qwen3-5-aux-hidden-layers (source differs)"
+    (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert "qwen3-5-aux-hidden-layers (source differs)" in warning.getMessage()
+    assert not [r for r in caplog.records if r.levelno == logging.INFO]
+    rank_summary.clear()
