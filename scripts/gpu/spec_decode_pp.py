@@ -134,26 +134,17 @@ WORKER_PATCHES = ("pp-inflight-batches", "drafter-shares-target-embed")
 
 # --- EAGLE3 (see the docstring for the vLLM lines behind each choice) --------------------------
 EAGLE3_AUX_LAYERS = [2, 4, 5]  # = vLLM's default for 8 layers: (2, n // 2, n - 3)
+# The drafter's shapes and settings are the target's (a Llama layer of the same width).
+_FROM_TARGET = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "vocab_size", "max_position_embeddings", "rms_norm_eps", "hidden_act",
+                "attention_bias", "tie_word_embeddings", "torch_dtype", "bos_token_id", "eos_token_id")
 EAGLE3_CONFIG = {
     "architectures": ["LlamaForCausalLMEagle3"],
     "model_type": "llama",
-    "hidden_size": MODEL_CONFIG["hidden_size"],
-    "intermediate_size": MODEL_CONFIG["intermediate_size"],
+    **{k: MODEL_CONFIG[k] for k in _FROM_TARGET},
     "num_hidden_layers": 1,
-    "num_attention_heads": MODEL_CONFIG["num_attention_heads"],
-    "num_key_value_heads": MODEL_CONFIG["num_key_value_heads"],
-    "head_dim": MODEL_CONFIG["head_dim"],
-    "vocab_size": MODEL_CONFIG["vocab_size"],
     "draft_vocab_size": MODEL_CONFIG["vocab_size"],
-    "max_position_embeddings": MODEL_CONFIG["max_position_embeddings"],
-    "rms_norm_eps": 1e-6,
     "rope_parameters": {"rope_type": "default", "rope_theta": 1000000},
-    "hidden_act": "silu",
-    "attention_bias": False,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-    "bos_token_id": 1,
-    "eos_token_id": 2,
     # The runner reads the target's layers here; the drafter sizes its fc from eagle_config.
     "eagle_aux_hidden_state_layer_ids": EAGLE3_AUX_LAYERS,
     "eagle_config": {"eagle_aux_hidden_state_layer_ids": EAGLE3_AUX_LAYERS, "use_aux_hidden_state": True},
