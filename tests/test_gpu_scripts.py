@@ -251,6 +251,7 @@ def test_plan_covers_every_comparison(quick):
 
 def test_engine_settings_per_run(tmp_path, monkeypatch):
     monkeypatch.delenv("E2E_BATCH_INVARIANT", raising=False)
+    monkeypatch.delenv("GDN_PREFILL_BACKEND", raising=False)
     stock = e2e.Run("dense-1gpu", "dense", 1, gpu="0")
     plug = e2e.Run("hybrid-mtp-pp2", "hybrid", 2, mtp=True)
     ks, kp = e2e.engine_kwargs(stock, tmp_path), e2e.engine_kwargs(plug, tmp_path)
@@ -267,7 +268,7 @@ def test_engine_settings_per_run(tmp_path, monkeypatch):
     assert "CUDA_VISIBLE_DEVICES" not in ep and "VLLM_BATCH_INVARIANT" not in ep
     assert ep["CUBLAS_WORKSPACE_CONFIG"] == ":16:8" and ep["VLLM_DUALGPU_PLAN_FILE"].endswith(".plan.json")
     # Hybrid runs name their GDN prefill kernel (the same in every run); dense ones do not.
-    assert kp["additional_config"] == {"gdn_prefill_backend": e2e.GDN_PREFILL_BACKEND}
+    assert kp["additional_config"] == e2e.gdn_prefill_config() == {"gdn_prefill_backend": "triton"}
     assert "additional_config" not in ks
     monkeypatch.setenv("E2E_BATCH_INVARIANT", "1")
     assert e2e.run_env(stock, tmp_path)["VLLM_BATCH_INVARIANT"] == "1" and stock.invariant

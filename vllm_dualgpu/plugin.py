@@ -77,8 +77,7 @@ def _note_device_phase(outcomes: list[Outcome]) -> None:
     came from register()); a skipped patch still gets its WARNING."""
     from vllm_dualgpu import rank_summary
 
-    applied = [o.short() for o in outcomes if o.status in (APPLIED, ALREADY)]
-    skipped = [o.short() for o in outcomes if o.status not in (APPLIED, ALREADY)]
+    applied, skipped = _applied_and_skipped(outcomes)
     if skipped:
         logger.warning("vllm-dualgpu (worker, pid %d): once the device was set, skipped %s",
                        os.getpid(), "; ".join(skipped))
@@ -89,9 +88,14 @@ def _note_device_phase(outcomes: list[Outcome]) -> None:
         rank_summary.note("patched once the device was set", text)
 
 
-def _log_summary(where: str, version: str, active: bool, outcomes: list[Outcome]) -> None:
+def _applied_and_skipped(outcomes: list[Outcome]) -> tuple[list[str], list[str]]:
     applied = [o.short() for o in outcomes if o.status in (APPLIED, ALREADY)]
     skipped = [o.short() for o in outcomes if o.status not in (APPLIED, ALREADY)]
+    return applied, skipped
+
+
+def _log_summary(where: str, version: str, active: bool, outcomes: list[Outcome]) -> None:
+    applied, skipped = _applied_and_skipped(outcomes)
     if not outcomes and WORKER in where and not active:
         logger.info(
             "vllm-dualgpu %s (%s, pid %d, vLLM %s): inactive, this run does not use the "

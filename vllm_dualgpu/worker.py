@@ -16,8 +16,9 @@ import sys
 import torch
 from vllm.v1.worker.gpu_worker import Worker
 
-from vllm_dualgpu import envs, rank_summary
+from vllm_dualgpu import envs, plugin, rank_summary
 from vllm_dualgpu.log import logger
+from vllm_dualgpu.process import DEVICE, WORKER
 
 GiB = 1024**3
 
@@ -53,15 +54,20 @@ def _oom_detail(exc: BaseException) -> str:
     return m.group(0) if m else str(exc).split(". ")[0]
 
 
+def _end_this_process() -> None:
+    """End the worker at once (flushing its log): vLLM then sees a dead worker and shuts the
+    engine down, where an exception would leave the other rank waiting in a pipeline receive."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
 def _gib(n: int | float) -> str:
     return f"{n / GiB:.2f} GiB"
 
 
 class DualGpuWorker(Worker):
     def __init__(self, *args, **kwargs):
-        from vllm_dualgpu import plugin
-        from vllm_dualgpu.process import WORKER
-
         # Forked workers (vLLM's default outside `vllm serve`) skip general plugins: apply the
         # worker patches here, before the device and the model exist (no-op if already done).
         plugin.ensure(frozenset({WORKER}))
@@ -72,9 +78,6 @@ class DualGpuWorker(Worker):
         # after the snapshot below, so pass that check with the smallest legal share first.
         self.cache_config.gpu_memory_utilization = 1e-6
         super().init_device()
-        from vllm_dualgpu import plugin
-        from vllm_dualgpu.process import DEVICE
-
         # Patches whose vLLM module starts CUDA when imported, now that this rank's GPU is set.
         plugin.ensure(frozenset({DEVICE}))
         snap = self.init_snapshot
@@ -189,9 +192,7 @@ class DualGpuWorker(Worker):
             self.rank, torch.cuda.get_device_name(self.device), _gib(free), _gib(total),
             exc, envs.RESERVE,
         )
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+        _end_this_process()
 
     def _exit_on_oom(self, exc: BaseException) -> None:
         """Out of memory in warm-up: say what to change and end this worker.
@@ -208,9 +209,7 @@ class DualGpuWorker(Worker):
             self.rank, torch.cuda.get_device_name(self.device), _gib(free), _gib(total),
             _gib(reserve), _oom_detail(exc), envs.RESERVE, _gib(reserve + GiB),
         )
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+        _end_this_process()
 
     def _log_summary(self) -> None:
         free, total = torch.cuda.mem_get_info(self.device)

@@ -73,7 +73,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from gpurun import ballast, start, wait_for  # noqa: E402
+from gpurun import ballast, gdn_prefill_config, start, wait_for  # noqa: E402
 
 FREE_GIB = [32.0, 16.0]
 MAX_MODEL_LEN = 4096
@@ -81,9 +81,6 @@ MAX_BATCHED_TOKENS = 32768  # holds one whole pass: prompts are not split by the
 LOGPROBS = 5
 TIE_TOL = 0.1  # nats; logits near 4 are 0.03 apart in bf16
 MTP = {"method": "mtp", "num_speculative_tokens": 2}
-# GDN prefill kernel for the hybrid runs, the same in every run. vLLM picks FlashInfer's on SM 9.0,
-# which needs the CuTe DSL (nvidia-cutlass-dsl); Triton's runs wherever vLLM does.
-GDN_PREFILL_BACKEND = os.environ.get("GDN_PREFILL_BACKEND", "triton")
 PASSES = ("no-hits", "prefix-hits", "full-hits")
 HIT_PASSES = ("prefix-hits", "full-hits")
 PRESETS = {"dense": "small-dense", "hybrid": "small-hybrid"}
@@ -294,7 +291,7 @@ def engine_kwargs(run: Run, model_dir: Path) -> dict:
     if run.mtp:
         kw["speculative_config"] = dict(MTP)
     if run.model == "hybrid":
-        kw["additional_config"] = {"gdn_prefill_backend": GDN_PREFILL_BACKEND}
+        kw["additional_config"] = gdn_prefill_config()  # the same GDN kernel in every run
     return kw
 
 

@@ -16,6 +16,15 @@ HERE = Path(__file__).resolve().parent
 GiB = 1024**3
 
 
+def gdn_prefill_config() -> dict:
+    """``additional_config`` for hybrid (GDN) models: the same GDN prefill kernel in every run.
+
+    vLLM picks FlashInfer's on SM 9.0, which needs the CuTe DSL (nvidia-cutlass-dsl); Triton's
+    runs wherever vLLM does. ``GDN_PREFILL_BACKEND`` overrides.
+    """
+    return {"gdn_prefill_backend": os.environ.get("GDN_PREFILL_BACKEND", "triton")}
+
+
 def start(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
     """Start cmd in its own process group, stdout+stderr to log (never a pipe)."""
     log.parent.mkdir(parents=True, exist_ok=True)

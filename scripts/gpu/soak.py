@@ -440,7 +440,7 @@ def tokenizer_counter(model_dir: Path):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from e2e_correctness import stop_group
-    from gpurun import ballast, grep, start, wait_for
+    from gpurun import ballast, gdn_prefill_config, grep, start, wait_for
 
     out: Path = args.outdir
     out.mkdir(parents=True, exist_ok=True)
@@ -466,8 +466,8 @@ def main(argv: list[str] | None = None) -> int:
            "--enforce-eager", "--dtype", "bfloat16", "--max-num-seqs", str(max(16, 2 * args.concurrency))]
     if mtp:
         cmd += ["--speculative-config", json.dumps(MTP)]
-    if "hybrid" in args.preset:  # as in e2e_correctness.py: the same GDN prefill kernel everywhere
-        cmd += ["--additional-config", json.dumps({"gdn_prefill_backend": os.environ.get("GDN_PREFILL_BACKEND", "triton")})]
+    if "hybrid" in args.preset:  # the same GDN prefill kernel as every other GPU script
+        cmd += ["--additional-config", json.dumps(gdn_prefill_config())]
     shared = args.gpu_memory_utilization is not None
     if shared:
         cmd += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]

@@ -97,6 +97,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from gpurun import gdn_prefill_config  # noqa: E402
+
 GiB = 1024**3
 
 MODEL_CONFIG = {
@@ -189,8 +192,7 @@ def engine_kwargs(model_dir: Path, arm: str = "mtp", drafter: Path | None = None
         max_model_len=4096,
         gpu_memory_utilization=0.3,
         seed=0,
-        # FlashInfer's GDN prefill (vLLM's pick on SM 9.0) needs nvidia-cutlass-dsl; Triton's does not.
-        additional_config={"gdn_prefill_backend": os.environ.get("GDN_PREFILL_BACKEND", "triton")},
+        additional_config=gdn_prefill_config(),
     )
     if arm == "mtp":
         return kw
@@ -632,7 +634,6 @@ def _cleanup(*_):
 
 
 def parent(out: Path, model: Path, timeout: float, method: str = "mtp") -> int:
-    sys.path.insert(0, str(HERE))
     atexit.register(_cleanup)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda s, f: (_cleanup(), sys.exit(128 + s)))
