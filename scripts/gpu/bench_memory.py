@@ -38,7 +38,7 @@ KV_LINE = r"GPU KV cache size: ([\d,]+) tokens"
 FAIL = r"Traceback|Error|error:"
 
 
-def run(name, kwargs, out: Path, env=None, stop_at_kv=False, prompts=None, timeout=240):
+def run_one(name, kwargs, out: Path, env=None, stop_at_kv=False, prompts=None, timeout=240):
     log = out / "logs" / f"{name}.log"
     cmd = [sys.executable, str(Path(__file__).parent / "boot_llm.py"), json.dumps(kwargs)]
     if prompts:
@@ -83,13 +83,18 @@ def main() -> int:
             "max_model_len": 32768, "pipeline_parallel_size": 2, "skip_tokenizer_init": False}
     prompts = [[1 + (i * 7 + j) % 900 for j in range(64 + 40 * i)] for i in range(4)]
     results = []
+
+    def run(*a, **kw):  # every result is written as soon as it exists: a timeout keeps the rest
+        results.append(run_one(*a, **kw))
+        save(results, out)
+        return results[-1]
+
     with ballast(FREE, out / "logs"):
         for u in (() if os.environ.get("BENCH_SKIP_STOCK") else (0.90, 0.11, 0.10)):
-            results.append(run(f"stock_u{u:.2f}", {**base, "distributed_executor_backend": "mp",
-                                                   "gpu_memory_utilization": u}, out, stop_at_kv=True))
+            run(f"stock_u{u:.2f}", {**base, "distributed_executor_backend": "mp",
+                                                   "gpu_memory_utilization": u}, out, stop_at_kv=True)
         plugin = run("dualgpu", {**base, "distributed_executor_backend": "dualgpu"}, out, prompts=prompts,
                      timeout=420)
-        results.append(plugin)
         chosen = (plugin.get("plan") or {}).get("partition") or [12, 28]
         steps = (-2, -1, 1, 2) if not full_sweep else (-6, -4, -2, -1, 1, 2, 4, 6)
         splits = [[chosen[0] + d, 40 - chosen[0] - d] for d in steps if 0 < chosen[0] + d < 40]
@@ -98,16 +103,46 @@ def main() -> int:
         if os.environ.get("BENCH_SKIP_SWEEP"):
             splits = []
         for sp in splits:
-            results.append(run(f"split_{sp[0]}_{sp[1]}", {**base, "distributed_executor_backend": "dualgpu"}, out,
-                               env={"VLLM_PP_LAYER_PARTITION": f"{sp[0]},{sp[1]}"}, stop_at_kv=True))
+            run(f"split_{sp[0]}_{sp[1]}", {**base, "distributed_executor_backend": "dualgpu"}, out,
+                env={"VLLM_PP_LAYER_PARTITION": f"{sp[0]},{sp[1]}"}, stop_at_kv=True)
         full = {**base, "distributed_executor_backend": "dualgpu"}
         full.pop("max_model_len")
         if not os.environ.get("BENCH_SKIP_FULL_CONTEXT"):
-            results.append(run("dualgpu_full_context", full, out, stop_at_kv=True))
-    (out / "bench_memory.json").write_text(json.dumps(results, indent=1))
-    (out / "bench_memory.md").write_text(table(results))
+            run("dualgpu_full_context", full, out, stop_at_kv=True)
     print(table(results))
     return 0
+
+
+def save(results, out: Path) -> None:
+    (out / "bench_memory.json").write_text(json.dumps(results, indent=1))
+    (out / "bench_memory.md").write_text(table(results))
+
+
+def peak_rows(results) -> list[str]:
+    """Predicted vs measured peak memory per rank, for runs that booted fully and generated.
+
+    Predicted: what the plan leaves vLLM on that card at its peak (free at start minus the
+    plan's predicted free after: weights + fixed costs + runtime reserve + KV cache). Measured:
+    NVML's used memory on that GPU at its highest during the run, minus before the run (0.25 s
+    samples). Runs stopped at the KV line never reach their peak, so they are left out.
+    """
+    rows = []
+    for r in results:
+        plan = r.get("plan") or {}
+        if not plan.get("ranks") or "outputs" not in r:
+            continue
+        for rk in plan["ranks"]:
+            gpu = rk["gpu"]
+            pred = gpu["free_bytes"] - rk["predicted_free_after_bytes"]
+            meas = r["peak_used_gib"][gpu["index"]] * GiB
+            diff = meas - pred
+            rows.append(f"| {r['name']} | {rk['rank']} | GPU {gpu['index']} | {rk['num_layers']} | "
+                        f"{pred / GiB:.2f} | {meas / GiB:.2f} | {diff / 2**20:+,.0f} MiB ({100 * diff / pred:+.1f}%) |")
+    if not rows:
+        return []
+    return ["", "Peak memory per rank, predicted by the plan vs measured (NVML, used minus before the run):", "",
+            "| run | rank | GPU | layers | predicted (GiB) | measured (GiB) | measured - predicted |",
+            "|---|---|---|---|---|---|---|"] + rows
 
 
 def table(results) -> str:
@@ -124,6 +159,7 @@ def table(results) -> str:
         rows.append(f"| {r['name']} | {split} | {'yes' if r['booted'] else 'no'} | "
                     f"{f'{kv:,}' if kv else '-'} | {f'{predicted:,}' if predicted else '-'} | {err} | "
                     f"{r.get('boot_s', '-')} | {pk} |")
+    rows += peak_rows(results)
     ranks = [l for r in results for l in r.get("rank_lines", [])]
     if ranks:
         rows += ["", "Per-rank summary lines (non-KV memory: vLLM's profile vs the plan):", ""]
