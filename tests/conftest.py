@@ -73,3 +73,27 @@ def registry_patch(name: str):
 
     return next(p for p in PATCHES if p.name == name)
 
+
+
+@pytest.fixture(scope="module")
+def qwen3_5():
+    """vLLM's ``qwen3_5`` model module, importable without torchvision.
+
+    It imports a transformers module that needs torchvision, which CPU installs lack; that one
+    module is then replaced by the PIL one's ``smart_resize`` (the only name vLLM takes from it).
+    """
+    import importlib.util
+    import sys
+    import types
+
+    name = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
+    with pytest.MonkeyPatch.context() as mp:
+        if importlib.util.find_spec("torchvision") is None and name not in sys.modules:
+            from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as pil
+
+            stub = types.ModuleType(name)
+            stub.smart_resize = pil.smart_resize
+            mp.setitem(sys.modules, name, stub)
+        from vllm.model_executor.models import qwen3_5 as module
+
+        yield module

@@ -129,9 +129,15 @@ def test_per_gpu_reserve_follows_the_gpu_not_the_rank(make_config, big_first_pai
 def test_explicit_utilization_caps_each_rank(make_config, big_first_pair):
     import os
 
-    apply.apply_plan(make_config(gpu_memory_utilization=0.1))
+    applied = apply.apply_plan(make_config(gpu_memory_utilization=0.1))
     cap = int(0.1 * H200_TOTAL)
     assert os.environ[envs.RANK_CAPS] == f"{cap},{cap}"
+    # The plan budgets what the workers will get (seen on GPUs: a prediction from the uncapped
+    # budget made the summary line's non-KV prediction negative).
+    assert [r.budget_bytes for r in applied.plan.ranks] == [min(cap, 16 * GiB - envs.DEFAULT_RESERVE_BYTES),
+                                                            min(cap, 32 * GiB - envs.DEFAULT_RESERVE_BYTES)]
+    predicted = [int(x) for x in os.environ[envs.RANK_PREDICTED].split(",")]
+    assert all(0 < kv < cap for kv in predicted)
 
 
 def test_plan_file(make_config, big_first_pair, monkeypatch, tmp_path):
@@ -181,3 +187,9 @@ def test_context_just_past_the_prediction_is_left_to_measurement(make_config, bi
     applied = apply.apply_plan(make_config(max_model_len=int(largest * 1.03)))
     assert os.environ["VLLM_PP_LAYER_PARTITION"] == ",".join(map(str, applied.plan.partition))
     assert any("predicted to need" in r.getMessage() for r in caplog.records)
+
+
+def test_block_size_is_an_override_only_when_the_user_gave_it(make_config):
+    """vLLM fills in a default block size; the plan must not report it as the user's choice."""
+    assert apply.plan_request(make_config(), None).block_size is None
+    assert apply.plan_request(make_config(block_size=32), None).block_size == 32

@@ -360,6 +360,24 @@ def test_soak_rates_and_summary():
     assert soak.percentile([], 0.5) is None and soak.percentile([4.0], 0.9) == 4.0
 
 
+def test_soak_report_of_an_interrupted_run_keeps_the_samples(tmp_path):
+    """A stage limit that cuts the soak short (seen on GPUs) must still leave soak.json and the
+    plot, marked interrupted and not ok."""
+    stats = soak.Stats()
+    for i in range(3):
+        stats.begin()
+        stats.end({"status": "ok", "stream": False, "shared_prefix": False, "latency_s": 1.0,
+                   "completion_tokens": 16})
+    log = tmp_path / "soak_server.log"
+    log.write_text("INFO vllm-dualgpu plan: GPUs 1,0 split 4,4\n")
+    result = {"ready": True, "interrupted_by": "SIGTERM"}
+    soak.report(tmp_path, result, stats, _samples(), True, 8, log)
+    data = json.loads((tmp_path / "soak.json").read_text())
+    assert data["interrupted_by"] == "SIGTERM" and data["ok"] is False
+    assert data["summary"]["ok"] == 3 and len(data["samples"]) == 5
+    assert (tmp_path / "soak.png").exists() and data["plugin_lines"]
+
+
 def _png_pixels(data: bytes):
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     w, h, depth, ctype = struct.unpack(">IIBB", data[16:26])

@@ -9,17 +9,14 @@ relay touches (the forward, vLLM's ``EagleModelMixin``, the runner's eagle3 util
 ``PPHandler.relay_aux_hidden_states``) is vLLM's or the patch's own code. The PP group is a
 stand-in (``parallel_state._PP``), as in tests/test_spec_decode_pp.py.
 
-``vllm.model_executor.models.qwen3_5`` imports a transformers module that needs torchvision,
-which this CPU environment lacks; the ``qwen3_5`` fixture then stands in for that one module with
-the PIL one's ``smart_resize`` (the only name vLLM takes from it), so vLLM's Qwen3.5 classes load.
+``vllm.model_executor.models.qwen3_5`` imports a transformers module that needs torchvision;
+the ``qwen3_5`` fixture (conftest.py) makes vLLM's Qwen3.5 classes load without it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import sys
-import types
 from types import SimpleNamespace
 
 import pytest
@@ -42,21 +39,6 @@ from vllm_dualgpu.process import ACTIVE_ENV
 RELAY, FLAG, LAYERS = "qwen3-next-aux-hidden-relay", "qwen3-next-aux-hidden-flag", "qwen3-5-aux-hidden-layers"
 HIDDEN, VOCAB, NUM_LAYERS = 8, 32, 4
 AUX_LAYERS = (3, 1, 2)  # unsorted, as drafter configs may give them
-
-
-@pytest.fixture(scope="module")
-def qwen3_5():
-    name = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
-    with pytest.MonkeyPatch.context() as mp:
-        if importlib.util.find_spec("torchvision") is None and name not in sys.modules:
-            from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as pil
-
-            stub = types.ModuleType(name)
-            stub.smart_resize = pil.smart_resize
-            mp.setitem(sys.modules, name, stub)
-        from vllm.model_executor.models import qwen3_5 as module
-
-        yield module
 
 
 @pytest.fixture

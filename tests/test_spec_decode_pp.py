@@ -169,7 +169,7 @@ def test_inflight_batches_revert_restores_stock(vllm_version, pp_configs, monkey
     assert pp_configs["dualgpu"].max_concurrent_batches == 3
 
 
-# --- item 6: Mamba/GDN prefix-cache hits and the drop-last-block rule --------------------------
+# --- a Mamba/GDN spec (item 6 needs no patch in vLLM 0.30: tests/test_mamba_hit_flow.py) ------
 
 
 def mamba_spec(block_size: int):
@@ -181,129 +181,6 @@ def mamba_spec(block_size: int):
         dtypes=(torch.bfloat16, torch.bfloat16),
         mamba_cache_mode="align",
     )
-
-
-def cached_pool(hash_block_size: int, cached_units: list[int], num_units: int):
-    """A real BlockPool whose group 0 caches a state at the end of each unit in cached_units."""
-    from vllm.v1.core.block_pool import BlockPool
-    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
-
-    pool = BlockPool(num_gpu_blocks=64, enable_caching=True, hash_block_size=hash_block_size)
-    hashes = [bytes([i]) * 32 for i in range(num_units)]
-    for unit, block in zip(cached_units, pool.get_new_blocks(len(cached_units))):
-        pool.cached_block_hash_to_block.insert(make_block_hash_with_group_id(hashes[unit], 0), block)
-    return pool, hashes
-
-
-def find(manager_cls, hashes, pool, spec, drop, max_length, alignment):
-    blocks, hit = manager_cls.find_longest_cache_hit(
-        block_hashes=hashes,
-        max_length=max_length,
-        kv_cache_group_ids=[0],
-        block_pool=pool,
-        kv_cache_spec=spec,
-        drop_eagle_block=drop,
-        alignment_tokens=alignment,
-    )
-    return hit, blocks
-
-
-def test_mamba_hit_drops_last_block(applied, active):
-    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
-
-    applied("mamba-hit-drop-last-block")
-    stock = MambaManager.find_longest_cache_hit.__func__.__wrapped__
-    bs = 16
-    spec = mamba_spec(bs)
-    # States cached at the end of blocks 1, 3 and 4 (tokens 32, 64, 80); 6 blocks hashed.
-    pool, hashes = cached_pool(bs, [1, 3, 4], 6)
-    max_length = 6 * bs - 1
-
-    _, stock_hit = stock(MambaManager, hashes, max_length, [0], pool, spec, True, bs)
-    assert stock_hit == 80  # vLLM 0.30 ignores drop_eagle_block
-    hit, blocks = find(MambaManager, hashes, pool, spec, True, max_length, bs)
-    assert hit == 64  # the block ending at the ceiling (80) is excluded
-    assert len(blocks[0]) == 4 and blocks[0][-1].block_id != pool.null_block.block_id
-    # The candidate ceiling the coordinator passes after its own drop: exactly one block off.
-    assert find(MambaManager, hashes, pool, spec, True, 64, bs)[0] == 32
-    # Without the flag nothing changes.
-    assert find(MambaManager, hashes, pool, spec, False, max_length, bs)[0] == 80
-
-
-def test_mamba_fine_grained_hit_drops_one_hash_unit(applied, active):
-    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
-
-    applied("mamba-hit-drop-last-block")
-    stock = MambaManager.find_longest_cache_hit.__func__.__wrapped__
-    unit, bs = 8, 32
-    spec = mamba_spec(bs)
-    pool, hashes = cached_pool(unit, [5, 6], 12)  # states after 48 and 56 tokens
-    _, stock_hit = stock(MambaManager, hashes, 7 * unit, [0], pool, spec, True, unit)
-    assert stock_hit == 56
-    assert find(MambaManager, hashes, pool, spec, True, 7 * unit, unit)[0] == 48
-    assert find(MambaManager, hashes, pool, spec, False, 7 * unit, unit)[0] == 56
-
-
-def test_mamba_drop_is_stock_without_dualgpu(applied, monkeypatch):
-    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
-
-    applied("mamba-hit-drop-last-block")
-    monkeypatch.delenv(ACTIVE_ENV, raising=False)
-    spec = mamba_spec(16)
-    pool, hashes = cached_pool(16, [1, 3, 4], 6)
-    assert find(MambaManager, hashes, pool, spec, True, 95, 16)[0] == 80
-
-
-def test_hybrid_coordinator_hit_with_drafter(applied, active, vllm_version):
-    """The whole lookup of a hybrid model (full attention + GDN) with MTP, stock vs patched."""
-    from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator
-    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-
-    bs = 16
-    attn = FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=8, dtype=torch.bfloat16)
-    groups = [
-        KVCacheGroupSpec(["attn.0", "mtp.attn"], attn),
-        KVCacheGroupSpec(["gdn.0", "gdn.1"], mamba_spec(bs)),
-    ]
-    config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
-
-    def coordinator():
-        return HybridKVCacheCoordinator(
-            kv_cache_config=config,
-            max_model_len=1024,
-            max_in_flight_tokens=256,
-            use_eagle=True,  # MTP: no group is marked as the drafter's, so all are flagged
-            enable_caching=True,
-            enable_kv_cache_events=False,
-            dcp_world_size=1,
-            pcp_world_size=1,
-            scheduler_block_size=bs,
-            hash_block_size=bs,
-            metrics_collector=None,
-        )
-
-    def lookup():
-        coord = coordinator()
-        pool = coord.block_pool
-        hashes = [bytes([i]) * 32 for i in range(8)]
-        fa = pool.get_new_blocks(6)
-        for i, block in enumerate(fa):  # attention blocks 0..5 cached
-            pool.cached_block_hash_to_block.insert(make_block_hash_with_group_id(hashes[i], 0), block)
-        for i, block in zip((2, 4), pool.get_new_blocks(2)):  # GDN states after 48 and 80 tokens
-            pool.cached_block_hash_to_block.insert(make_block_hash_with_group_id(hashes[i], 1), block)
-        return coord.find_longest_cache_hit(hashes, 8 * bs - 1)[1]
-
-    patched = lookup()
-    revert_patch(registry_patch("mamba-hit-drop-last-block"))
-    try:
-        stock = lookup()
-    finally:
-        assert apply_patch(registry_patch("mamba-hit-drop-last-block"), vllm_version).status == APPLIED
-    # Attention matches 6 blocks and drops one (80 tokens). Stock vLLM then takes the GDN state
-    # at 80 tokens; the patch excludes that boundary and resumes from the state at 48.
-    assert stock == 80
-    assert patched == 48
 
 
 # --- item 1: the drafter shares the target's embedding under PP --------------------------------

@@ -80,7 +80,7 @@ def test_checks_pass_on_a_good_run(script):
          "workers see max_concurrent_batches == pp_size"),
         (lambda r: r["child"]["workers"][0].update(drafter_embed_is_target_embed=False),
          "drafter embedding is the target's"),
-        (lambda r: r["plugin_lines"].__setitem__(1, r["plugin_lines"][1].replace("mamba-hit-drop-last-block", "")),
+        (lambda r: r["plugin_lines"].__setitem__(1, r["plugin_lines"][1].replace("pp-inflight-batches", "")),
          "engine applied its issue #6 patches"),
         (lambda r: r["plugin_lines"].__setitem__(3, r["plugin_lines"][3].replace("drafter-shares", "x")),
          "workers applied their issue #6 patches"),

@@ -49,7 +49,9 @@ def plan_request(vllm_config, user_partition: list[int] | None):
     return PlanRequest(
         max_model_len=-1 if mc.original_max_model_len == -1 else mc.max_model_len,
         kv_cache_dtype=str(cc.cache_dtype),
-        block_size=cc.block_size,
+        # vLLM fills in 16 when --block-size is absent; only the user's own value is an override
+        # (the planner raises the default for hybrid models as vLLM's workers do).
+        block_size=cc.block_size if getattr(cc, "user_specified_block_size", True) else None,
         max_num_seqs=sc.max_num_seqs,
         max_num_batched_tokens=sc.max_num_batched_tokens,
         speculative=speculative_dict(vllm_config),
@@ -125,7 +127,7 @@ def apply_plan(vllm_config) -> AppliedPlan:
     user_partition = envs.parse_partition(
         os.environ.get("VLLM_PP_LAYER_PARTITION"), model.num_layers, pp
     )
-    facts = to_gpu_facts(used, reserves_visible[: len(used)])
+    facts = _capped(to_gpu_facts(used, reserves_visible[: len(used)]), _explicit_utilization(vllm_config))
     result = plan_or_explain(model, facts, plan_request(vllm_config, user_partition))
 
     ranked = [used[i] for i in result.order]
@@ -197,13 +199,28 @@ def _write_plan_file(result, ranked: list[VisibleGpu]) -> None:
         json.dump(data, f, indent=1)
 
 
+def _explicit_utilization(vllm_config) -> float | None:
+    """The user's own --gpu-memory-utilization (None when vLLM's default applies)."""
+    return (vllm_config.additional_config or {}).get("dualgpu", {}).get("gpu_memory_utilization")
+
+
 def _explicit_utilization_caps(vllm_config, ranked: list[VisibleGpu]) -> list[int] | None:
     """An explicit --gpu-memory-utilization caps each rank at that share of its total."""
-    extra = (vllm_config.additional_config or {}).get("dualgpu", {})
-    util = extra.get("gpu_memory_utilization")
+    util = _explicit_utilization(vllm_config)
     if util is None:
         return None
     return [int(util * g.total_bytes) for g in ranked]
+
+
+def _capped(facts: list, util: float | None) -> list:
+    """GPU facts whose budget (free - reserve) is at most ``util`` x total, as the worker caps it
+    (worker.rank_budget): the plan then predicts what the ranks will really get. Free memory in
+    the plan's report is then the free memory the cap leaves to vLLM."""
+    if util is None:
+        return facts
+    from dataclasses import replace
+
+    return [replace(f, free_bytes=min(f.free_bytes, int(util * f.total_bytes) + f.reserve_bytes)) for f in facts]
 
 
 def _overrides(vllm_config, user_partition) -> list[str]:

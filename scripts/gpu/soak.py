@@ -437,6 +437,31 @@ def tokenizer_counter(model_dir: Path):
         return None
 
 
+def report(out: Path, result: dict, stats: "Stats", samples: list[dict], mtp: bool, concurrency: int,
+           log: Path) -> dict:
+    """Summarize, plot and write OUTDIR/soak.json; also for a run a signal cut short."""
+    from gpurun import grep
+
+    summary = summarize(stats.records, samples)
+    result.update(summary=summary, samples=samples,
+                  first_errors=[r for r in stats.records if r["status"] != "ok"][:20])
+    result["plugin_lines"] = grep(log, r"vllm-dualgpu \d+\.\d+\.\d+ \(|vllm-dualgpu rank \d|vllm-dualgpu plan:")[:12]
+    result["server_errors"] = [l[-300:] for l in grep(log, r"Traceback|ERROR|EngineDeadError")][:20]
+    if (out / "soak_plan.json").exists():
+        result["plan"] = json.loads((out / "soak_plan.json").read_text())
+    if samples:
+        result["plot"] = plot(samples, out / "soak.png",
+                              f"vllm-dualgpu soak: PP=2, MTP {'on' if mtp else 'off'}, concurrency {concurrency}")
+    result["ok"] = bool(result.get("ready") and summary["ok"] > 0 and summary["errors"] == 0
+                        and summary["timeouts"] == 0 and not result.get("stuck_in_flight")
+                        and result.get("server_alive_after", False))
+    (out / "soak.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps({"ok": result["ok"], "boot_s": result.get("boot_s"), "load_s": result.get("load_s"),
+                      "requests": summary["requests"], "requests_ok": summary["ok"]}
+                     | {k: summary[k] for k in ("errors", "timeouts", "completion_tokens", "tok_s")}), flush=True)
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from e2e_correctness import stop_group
@@ -479,13 +504,19 @@ def main(argv: list[str] | None = None) -> int:
                                "command": " ".join(cmd[:2] + ["MODEL"] + cmd[3:])}}
     stats = Stats()
     samples: list[dict] = []
+    live: dict = {}  # the running sampler, for a report written on a signal
     t0 = time.time()
     with ballast([None, None] if shared else FREE_GIB, out / "logs"):
         proc = start(cmd, log, {"VLLM_DUALGPU_PLAN_FILE": str(out / "soak_plan.json")})
 
-        def on_signal(signum, frame):  # a stage timeout or Ctrl-C: take the server down first
-            stop_group(proc, grace=2)
-            os._exit(128 + signum)
+        def on_signal(signum, frame):  # a stage timeout or Ctrl-C: take the server down first,
+            stop_group(proc, grace=2)  # then keep what was measured (marked interrupted)
+            sampler = live.get("sampler")
+            result["interrupted_by"] = signal.Signals(signum).name
+            try:
+                report(out, result, stats, sampler.samples if sampler else samples, mtp, args.concurrency, log)
+            finally:
+                os._exit(128 + signum)
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
@@ -496,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
             if ready:
                 work = Workload(seed=0, count=tokenizer_counter(model))
                 with Sampler(stats, base, args.sample_s) as sampler:
+                    live["sampler"] = sampler
                     drive(base, "soak", work, stats, args.concurrency, args.minutes * 60, args.request_timeout)
                 samples = sampler.samples
                 result["load_s"] = round(samples[-1]["t_s"], 1)
@@ -504,23 +536,7 @@ def main(argv: list[str] | None = None) -> int:
                 result["server_alive_after"] = proc.poll() is None
         finally:
             stop_group(proc, grace=15)
-    summary = summarize(stats.records, samples)
-    result.update(summary=summary, samples=samples,
-                  first_errors=[r for r in stats.records if r["status"] != "ok"][:20])
-    result["plugin_lines"] = grep(log, r"vllm-dualgpu \d+\.\d+\.\d+ \(|vllm-dualgpu rank \d|vllm-dualgpu plan:")[:12]
-    result["server_errors"] = [l[-300:] for l in grep(log, r"Traceback|ERROR|EngineDeadError")][:20]
-    if (out / "soak_plan.json").exists():
-        result["plan"] = json.loads((out / "soak_plan.json").read_text())
-    if samples:
-        result["plot"] = plot(samples, out / "soak.png",
-                              f"vllm-dualgpu soak: PP=2, MTP {'on' if mtp else 'off'}, concurrency {args.concurrency}")
-    result["ok"] = bool(result.get("ready") and summary["ok"] > 0 and summary["errors"] == 0
-                        and summary["timeouts"] == 0 and not result.get("stuck_in_flight")
-                        and result.get("server_alive_after", False))
-    (out / "soak.json").write_text(json.dumps(result, indent=1))
-    print(json.dumps({"ok": result["ok"], "boot_s": result.get("boot_s"), "load_s": result.get("load_s"),
-                      "requests": summary["requests"], "requests_ok": summary["ok"]}
-                     | {k: summary[k] for k in ("errors", "timeouts", "completion_tokens", "tok_s")}), flush=True)
+    result = report(out, result, stats, samples, mtp, args.concurrency, log)
     return 0 if result["ok"] else 1
 
 

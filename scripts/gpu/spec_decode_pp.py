@@ -132,7 +132,7 @@ MODEL_CONFIG = {
 
 NUM_SPEC = 2
 # The issue #6 patches each process kind must report as applied in its plugin line.
-ENGINE_PATCHES = ("pp-inflight-batches", "mamba-hit-drop-last-block")
+ENGINE_PATCHES = ("pp-inflight-batches",)
 WORKER_PATCHES = ("pp-inflight-batches", "drafter-shares-target-embed")
 
 # --- EAGLE3 (see the docstring for the vLLM lines behind each choice) --------------------------

@@ -212,38 +212,6 @@ PATCHES: tuple[Patch, ...] = (
         issue="#6",
     ),
     Patch(
-        name="mamba-hit-drop-last-block",
-        target="vllm.v1.core.single_type_kv_cache_manager:MambaManager.find_longest_cache_hit",
-        processes=(ENGINE,),
-        vllm_versions=V030,
-        why=(
-            "With EAGLE/MTP/DFlash the coordinator asks drafter-flagged groups to drop their "
-            "last matched block, and flags every group (Mamba/GDN included) when none is marked "
-            "as the drafter's; MambaManager.find_longest_cache_hit ignores the flag, so a "
-            "prefix-cache hit can restore a recurrent state written over rejected draft tokens. "
-            "When the flag is set, the patch lowers the search ceiling by one unit (one hash "
-            "unit for fine-grained hits, else one Mamba block), as vLLM PR #48375 does."
-        ),
-        upstream="vLLM PR #48375 (open), vLLM issue #43559",
-        remove_when="MambaManager.find_longest_cache_hit honours drop_eagle_block (PR #48375 "
-        "or an equivalent merged)",
-        factory="vllm_dualgpu.patches.single_type_kv_cache_manager:"
-        "wrap_mamba_find_longest_cache_hit",
-        params=(
-            "cls",
-            "block_hashes",
-            "max_length",
-            "kv_cache_group_ids",
-            "block_pool",
-            "kv_cache_spec",
-            "drop_eagle_block",
-            "alignment_tokens",
-            "dcp_world_size",
-            "pcp_world_size",
-        ),
-        issue="#6",
-    ),
-    Patch(
         name="drafter-shares-target-embed",
         target="vllm.v1.worker.gpu.spec_decode.eagle.utils:maybe_share_target_embed",
         processes=(WORKER,),
@@ -338,6 +306,26 @@ PATCHES: tuple[Patch, ...] = (
         factory="vllm_dualgpu.patches.models_interfaces:wrap_mark_tower_model",
         params=("self", "vllm_config", "modalities", "targets"),
         issue="#6",
+    ),
+    Patch(
+        name="hybrid-block-size-every-stage",
+        target="vllm.platforms.interface:Platform.update_block_size_for_backend",
+        processes=(WORKER,),
+        vllm_versions=V030,
+        why=(
+            "Each worker sizes KV blocks from its own layers and returns early when its stage "
+            "holds no non-SSM attention layer, so a stage of only Gated DeltaNet/Mamba layers "
+            "keeps 16 tokens while the others raise the block size until an attention page "
+            "holds a Mamba state; EngineCore then uses the smallest, and prefix caching finds "
+            "nothing (seen on GPUs with a 1/7 split). Under dualgpu with PP > 1 such a stage "
+            "selects the model's attention backend and runs vLLM's own block-size code with it."
+        ),
+        upstream="none found (vLLM's even split rarely leaves a stage without attention)",
+        remove_when="vLLM aligns the hybrid block size from the whole model on every stage",
+        factory="vllm_dualgpu.patches.platforms_interface:wrap_update_block_size_for_backend",
+        params=("cls", "vllm_config"),
+        issue="#6",
+        source_sha256="91c248cdc7443f36b74f3ca3b08b38dd864dcff6cbfac7113bfe8b8bf9b2dd8c",
     ),
     Patch(
         name="dflash-quantized-context-kv-build",
