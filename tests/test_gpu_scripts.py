@@ -360,6 +360,20 @@ def test_soak_rates_and_summary():
     assert soak.percentile([], 0.5) is None and soak.percentile([4.0], 0.9) == 4.0
 
 
+def test_soak_reads_the_prefix_cache_counters():
+    page = ("# HELP vllm:prefix_cache_hits Prefix cache hits, in terms of number of cached tokens.\n"
+            'vllm:prefix_cache_hits_total{engine="0",model_name="soak"} 300.0\n'
+            'vllm:prefix_cache_queries_total{engine="0",model_name="soak"} 1200.0\n'
+            'vllm:generation_tokens_total{engine="0",model_name="soak"} 50.0\n')
+    got = soak.parse_counters(page)
+    assert got == {"server_tokens": 50.0, "prefix_cache_hits": 300.0, "prefix_cache_queries": 1200.0}
+    samples = _samples()
+    samples[-1].update(prefix_cache_hits=300.0, prefix_cache_queries=1200.0)
+    assert soak.summarize([], samples)["prefix_cache_hit_rate"] == 0.25
+    assert soak.summarize([], _samples())["prefix_cache_hit_rate"] is None  # counters unread
+    assert soak.parse_counters("")["prefix_cache_hits"] is None
+
+
 def test_soak_report_of_an_interrupted_run_keeps_the_samples(tmp_path):
     """A stage limit that cuts the soak short (seen on GPUs) must still leave soak.json and the
     plot, marked interrupted and not ok."""
@@ -487,7 +501,7 @@ def test_soak_client_against_fake_server():
         assert all(r.get("ttft_s") is not None for r in stats.records if r["stream"])
         assert stats.snapshot()["in_flight"] == 0
         assert len(sampler.samples) >= 3 and sampler.samples[-1]["server_tokens"] == srv.generated
-        assert soak.server_generation_tokens(srv.base) == float(4 * s["requests"])
+        assert soak.server_counters(srv.base)["server_tokens"] == float(4 * s["requests"])
     finally:
         srv.close()
 
@@ -516,7 +530,7 @@ def test_soak_client_counts_timeouts():
 
 
 def test_soak_server_errors_and_unreachable_metrics():
-    assert soak.server_generation_tokens("http://127.0.0.1:9") is None
+    assert soak.server_counters("http://127.0.0.1:9") == dict.fromkeys(soak.SERVER_COUNTERS)
     rec = soak.one_request("http://127.0.0.1:9", "soak", {"prompt": "x", "prompt_tokens": 1, "max_tokens": 2,
                                                          "shared_prefix": False}, stream=False, timeout=2)
     assert rec["status"] == "error" and ("refused" in rec["error"] or "Connection" in rec["error"]), rec

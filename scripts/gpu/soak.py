@@ -228,22 +228,33 @@ def drive(base: str, model: str, work: Workload, stats: Stats, concurrency: int,
 # --- samples, statistics, plot ------------------------------------------------------------------
 
 
-def server_generation_tokens(base: str) -> float | None:
-    """vllm:generation_tokens_total summed over label sets, from /metrics; None if unreadable."""
+SERVER_COUNTERS = {"server_tokens": "vllm:generation_tokens_total",
+                   "prefix_cache_hits": "vllm:prefix_cache_hits_total",
+                   "prefix_cache_queries": "vllm:prefix_cache_queries_total"}
+
+
+def parse_counters(text: str) -> dict:
+    """Each of SERVER_COUNTERS summed over its label sets from a /metrics page (None if absent)."""
+    out = {}
+    for key, name in SERVER_COUNTERS.items():
+        values = [float(m.group(1)) for m in re.finditer(
+            rf"^{re.escape(name)}(?:\{{[^}}]*\}})?\s+([0-9.eE+-]+)\s*$", text, re.M)]
+        out[key] = sum(values) if values else None
+    return out
+
+
+def server_counters(base: str) -> dict:
+    """The server's counters now (all None if /metrics cannot be read)."""
     try:
         with urllib.request.urlopen(f"{base}/metrics", timeout=10) as r:
-            text = r.read().decode(errors="replace")
+            return parse_counters(r.read().decode(errors="replace"))
     except Exception:
-        return None
-    total, seen = 0.0, False
-    for m in re.finditer(r"^vllm:generation_tokens_total(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", text, re.M):
-        total += float(m.group(1))
-        seen = True
-    return total if seen else None
+        return dict.fromkeys(SERVER_COUNTERS)
 
 
 class Sampler:
-    """Every PERIOD s: one sample of client counters and the server's generation-token counter."""
+    """Every PERIOD s: one sample of client counters and the server's counters (generated tokens,
+    prefix-cache hits and queries)."""
 
     def __init__(self, stats: Stats, base: str | None, period: float = 30.0):
         self.stats, self.base, self.period = stats, base, period
@@ -255,7 +266,7 @@ class Sampler:
     def sample(self) -> dict:
         s = self.stats.snapshot()
         s["t_s"] = round(time.time() - self.t0, 1)
-        s["server_tokens"] = server_generation_tokens(self.base) if self.base else None
+        s.update(server_counters(self.base) if self.base else dict.fromkeys(SERVER_COUNTERS))
         self.samples.append(s)
         return s
 
@@ -263,7 +274,8 @@ class Sampler:
         while not self._stop.wait(self.period):
             s = self.sample()
             print(f"[soak] t={s['t_s']:.0f}s requests={s['requests']} tokens={s['tokens']} "
-                  f"in_flight={s['in_flight']} errors={s['errors']} timeouts={s['timeouts']}", flush=True)
+                  f"in_flight={s['in_flight']} errors={s['errors']} timeouts={s['timeouts']} "
+                  f"prefix_cache_hit_rate={prefix_hit_rate([s])}", flush=True)
 
     def __enter__(self):
         self.t0 = time.time()
@@ -322,7 +334,17 @@ def summarize(records: list[dict], samples: list[dict]) -> dict:
         "tok_s": {"mean": round(statistics.fmean(tok_s), 2) if tok_s else None,
                   "min": min(tok_s) if tok_s else None, "max": max(tok_s) if tok_s else None},
         "windows": win,
+        "prefix_cache_hit_rate": prefix_hit_rate(samples),
     }
+
+
+def prefix_hit_rate(samples: list[dict]) -> float | None:
+    """Prefix-cache hit tokens / queried tokens over the run, from the server's counters."""
+    last = samples[-1] if samples else {}
+    hits, queries = last.get("prefix_cache_hits"), last.get("prefix_cache_queries")
+    if hits is None or not queries:
+        return None
+    return round(hits / queries, 4)
 
 
 def plot(samples: list[dict], path: Path, title: str = "vllm-dualgpu soak") -> str:
