@@ -97,3 +97,28 @@ def qwen3_5():
         from vllm.model_executor.models import qwen3_5 as module
 
         yield module
+
+
+GPU_SCRIPTS = Path(__file__).resolve().parents[1] / "scripts" / "gpu"
+
+
+def load_gpu_script(name: str):
+    """scripts/gpu/NAME.py as a module (it imports its sibling scripts by name)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, GPU_SCRIPTS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def gpu_script_dry_run(name: str, out: Path, timeout: float) -> Path:
+    """Run scripts/gpu/NAME.py OUT --dry-run on the CPU in a subprocess (vLLM state stays there)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
+    proc = subprocess.run([sys.executable, str(GPU_SCRIPTS / f"{name}.py"), str(out), "--dry-run"], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out

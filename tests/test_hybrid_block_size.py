@@ -1,9 +1,9 @@
 """Issue #6: every pipeline stage of a hybrid model reaches the same KV block size.
 
 Found on GPUs: the plugin split the small Qwen3.5 hybrid 1/7, so stage 0 held one Gated DeltaNet
-layer and no attention layer; vLLM's ``update_block_size_for_backend`` returned early there (16
-tokens) while stage 1 raised the block size to fit a GDN state (144), and prefix caching hit
-nothing. These tests use vLLM's real ``VllmConfig`` of a Qwen3.5 hybrid with PP=2 and a real
+layer and no attention layer, and the engine ran with 16-token blocks where one GPU used 144:
+vLLM's ``update_block_size_for_backend`` returns early on such a stage, while a stage with
+attention raises the block size to fit a GDN state. These tests use vLLM's real ``VllmConfig`` of a Qwen3.5 hybrid with PP=2 and a real
 ``Attention`` layer for "the stage with attention"; vLLM's CPU platform selects the backend here,
 so the sizes are the CPU backend's, and the comparison is stage against stage, as on the GPU.
 """
@@ -13,15 +13,14 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import registry_patch
+from conftest import GPU_SCRIPTS, registry_patch
 from vllm_dualgpu.patches.core import ALREADY, APPLIED, apply_patch, revert_patch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "gpu"))
+sys.path.insert(0, str(GPU_SCRIPTS))
 from spec_decode_pp import MODEL_CONFIG  # noqa: E402  (the GPU run's small Qwen3.5 hybrid)
 
 NAME = "hybrid-block-size-every-stage"
@@ -106,13 +105,13 @@ def test_patched_attention_free_stage_matches_the_attention_stage(patched, make_
     assert "holds no attention layer" in caplog.text
 
 
-def test_patched_attention_stage_is_unchanged(patched, make_config):
+def test_patched_attention_stage_is_unchanged(patched, make_config, vllm_version):
     patched_value = sizes(make_config(with_attention=True))
     revert_patch(patched)
     try:
         assert sizes(make_config(with_attention=True)) == patched_value
     finally:
-        apply_patch(patched, __import__("vllm").__version__)
+        apply_patch(patched, vllm_version)
 
 
 def test_other_executors_keep_vllms_behaviour(patched, make_config):

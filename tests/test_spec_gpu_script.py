@@ -5,7 +5,6 @@ module for the default ``--method both``, so nothing leaks into the other tests.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -14,26 +13,20 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu" / "spec_decode_pp.py"
+from conftest import GPU_SCRIPTS, gpu_script_dry_run, load_gpu_script
+
+SCRIPT = GPU_SCRIPTS / "spec_decode_pp.py"
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("spec_decode_pp", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_gpu_script("spec_decode_pp")
 
 
 @pytest.fixture(scope="module")
 def dry_run_dir(tmp_path_factory):
     """OUTDIR of one default dry run (``--method both``)."""
-    out = tmp_path_factory.mktemp("spec-dry-run")
-    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(out), "--dry-run"], env=env,
-                          capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out
+    return gpu_script_dry_run("spec_decode_pp", tmp_path_factory.mktemp("spec-dry-run"), timeout=240)
 
 
 def test_dry_run_builds_the_engine_config(dry_run_dir):
@@ -328,8 +321,7 @@ for line in payload["log"]:
 @pytest.fixture
 def no_process_hooks(script, monkeypatch):
     """parent() installs exit and signal handlers; keep them out of the pytest process."""
-    monkeypatch.setattr(script.atexit, "register", lambda *a, **k: None)
-    monkeypatch.setattr(script.signal, "signal", lambda *a, **k: None)
+    monkeypatch.setattr(script, "kill_running_on_exit", lambda: None)
 
 
 class NoNvml:

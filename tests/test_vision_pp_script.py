@@ -5,34 +5,20 @@ module, so nothing leaks into the other tests."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu" / "vision_pp.py"
-
+from conftest import gpu_script_dry_run, load_gpu_script
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("vision_pp", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_gpu_script("vision_pp")
 
 
 @pytest.fixture(scope="module")
 def dry_run_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("vision-dry-run")
-    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(out), "--dry-run"], env=env,
-                          capture_output=True, text=True, timeout=90)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out
+    return gpu_script_dry_run("vision_pp", tmp_path_factory.mktemp("vision-dry-run"), timeout=90)
 
 
 @pytest.mark.slow

@@ -127,7 +127,8 @@ def apply_plan(vllm_config) -> AppliedPlan:
     user_partition = envs.parse_partition(
         os.environ.get("VLLM_PP_LAYER_PARTITION"), model.num_layers, pp
     )
-    facts = _capped(to_gpu_facts(used, reserves_visible[: len(used)]), _explicit_utilization(vllm_config))
+    caps = _utilization_caps(_explicit_utilization(vllm_config), [g.total_bytes for g in used])
+    facts = _capped(to_gpu_facts(used, reserves_visible[: len(used)]), caps)
     result = plan_or_explain(model, facts, plan_request(vllm_config, user_partition))
 
     ranked = [used[i] for i in result.order]
@@ -139,9 +140,8 @@ def apply_plan(vllm_config) -> AppliedPlan:
     os.environ[envs.RANK_RESERVES] = ",".join(str(r) for r in reserves)
     # Each rank's predicted KV budget: its summary line compares vLLM's profile with it.
     os.environ[envs.RANK_PREDICTED] = ",".join(str(r.kv_budget_bytes) for r in result.ranks)
-    caps = _explicit_utilization_caps(vllm_config, ranked)
     if caps is not None:
-        os.environ[envs.RANK_CAPS] = ",".join(str(c) for c in caps)
+        os.environ[envs.RANK_CAPS] = ",".join(str(caps[i]) for i in result.order)
     if pc.worker_cls == STOCK_WORKER:
         pc.worker_cls = OUR_WORKER
     else:
@@ -204,23 +204,20 @@ def _explicit_utilization(vllm_config) -> float | None:
     return (vllm_config.additional_config or {}).get("dualgpu", {}).get("gpu_memory_utilization")
 
 
-def _explicit_utilization_caps(vllm_config, ranked: list[VisibleGpu]) -> list[int] | None:
+def _utilization_caps(util: float | None, totals: list[int]) -> list[int] | None:
     """An explicit --gpu-memory-utilization caps each rank at that share of its total."""
-    util = _explicit_utilization(vllm_config)
-    if util is None:
-        return None
-    return [int(util * g.total_bytes) for g in ranked]
+    return None if util is None else [int(util * t) for t in totals]
 
 
-def _capped(facts: list, util: float | None) -> list:
-    """GPU facts whose budget (free - reserve) is at most ``util`` x total, as the worker caps it
+def _capped(facts: list, caps: list[int] | None) -> list:
+    """GPU facts whose budget (free - reserve) is at most each GPU's cap, as the worker caps it
     (worker.rank_budget): the plan then predicts what the ranks will really get. Free memory in
     the plan's report is then the free memory the cap leaves to vLLM."""
-    if util is None:
+    if caps is None:
         return facts
     from dataclasses import replace
 
-    return [replace(f, free_bytes=min(f.free_bytes, int(util * f.total_bytes) + f.reserve_bytes)) for f in facts]
+    return [replace(f, free_bytes=min(f.free_bytes, cap + f.reserve_bytes)) for f, cap in zip(facts, caps)]
 
 
 def _overrides(vllm_config, user_partition) -> list[str]:

@@ -91,8 +91,8 @@ def main() -> int:
 
     with ballast(FREE, out / "logs"):
         for u in (() if os.environ.get("BENCH_SKIP_STOCK") else (0.90, 0.11, 0.10)):
-            run(f"stock_u{u:.2f}", {**base, "distributed_executor_backend": "mp",
-                                                   "gpu_memory_utilization": u}, out, stop_at_kv=True)
+            run(f"stock_u{u:.2f}", {**base, "distributed_executor_backend": "mp", "gpu_memory_utilization": u},
+                out, stop_at_kv=True)
         plugin = run("dualgpu", {**base, "distributed_executor_backend": "dualgpu"}, out, prompts=prompts,
                      timeout=420)
         chosen = (plugin.get("plan") or {}).get("partition") or [12, 28]

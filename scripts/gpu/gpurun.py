@@ -57,6 +57,30 @@ def kill(p: subprocess.Popen, grace: float = 5.0, dump: bool = False) -> None:
         p.wait(timeout=1)
 
 
+RUNNING: list[subprocess.Popen] = []  # a script's running children, for its exit and signal handlers
+
+
+def kill_running(*_) -> None:
+    """Kill every child in RUNNING (a script adds its child while it runs and removes it after)."""
+    for proc in list(RUNNING):
+        kill(proc, grace=3)
+
+
+def kill_running_on_exit() -> None:
+    """At exit and on SIGTERM/SIGINT/SIGHUP (a stage limit, Ctrl-C), take RUNNING down first."""
+    import atexit
+
+    atexit.register(kill_running)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda s, f: (kill_running(), sys.exit(128 + s)))
+
+
+def applied_names(line: str) -> list[str]:
+    """The patches a plugin line lists as applied ("...: applied a, b; skipped c (why)")."""
+    m = re.search(r"\): applied (.*?); skipped ", line) or re.search(r"\): applied (.*)$", line)
+    return [n.split(" (")[0].strip() for n in m.group(1).split(", ")] if m else []
+
+
 def _group_alive(pgid: int) -> bool:
     """Whether a process of the group still runs (zombies, waiting to be reaped, do not count)."""
     for entry in os.listdir("/proc"):

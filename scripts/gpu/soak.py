@@ -487,7 +487,7 @@ def report(out: Path, result: dict, stats: "Stats", samples: list[dict], mtp: bo
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from e2e_correctness import stop_group
-    from gpurun import ballast, gdn_prefill_config, grep, start, wait_for
+    from gpurun import ballast, gdn_prefill_config, start, wait_for
 
     out: Path = args.outdir
     out.mkdir(parents=True, exist_ok=True)

@@ -86,11 +86,9 @@ and runs vLLM's own worker check on the stock Qwen3.5 decoder (refused).
 from __future__ import annotations
 
 import argparse
-import atexit
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -98,7 +96,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from gpurun import gdn_prefill_config  # noqa: E402
+from gpurun import RUNNING, applied_names, gdn_prefill_config, kill_running_on_exit  # noqa: E402
 
 GiB = 1024**3
 
@@ -623,20 +621,8 @@ def _name_of(pid: int) -> str:
         return "?"
 
 
-_running: list = []  # the child of the arm that runs now, for the exit and signal handler
-
-
-def _cleanup(*_):
-    from gpurun import kill
-
-    for proc in list(_running):
-        kill(proc, grace=3)
-
-
 def parent(out: Path, model: Path, timeout: float, method: str = "mtp") -> int:
-    atexit.register(_cleanup)
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda s, f: (_cleanup(), sys.exit(128 + s)))
+    kill_running_on_exit()
 
     arms = arms_of(method)
     deadline = time.time() + timeout
@@ -686,7 +672,7 @@ def run_arm(out: Path, model: Path, arm: str, timeout: float) -> dict:
     t0 = time.time()
     cmd = [sys.executable, str(Path(__file__).resolve()), str(out), "--child"] + ([arm] if arm != "mtp" else [])
     proc = start(cmd, log, env={"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})
-    _running.append(proc)
+    RUNNING.append(proc)
     end_snapshot = None
     try:
         while time.time() - t0 < timeout and proc.poll() is None:
@@ -703,7 +689,7 @@ def run_arm(out: Path, model: Path, arm: str, timeout: float) -> dict:
         result["child_rc"] = proc.poll()
     finally:
         kill(proc, grace=3)
-        _running.remove(proc)
+        RUNNING.remove(proc)
     result["wall_s"] = round(time.time() - t0, 1)
     child_json = out / result_name
     result["child"] = json.loads(child_json.read_text()) if child_json.exists() else None
@@ -753,7 +739,7 @@ def checks(result: dict) -> dict:
 def _applied_in(lines: list[str], kind: str, names: tuple[str, ...]) -> bool:
     """Whether every plugin line of process kind ``kind`` lists all ``names`` as applied."""
     sel = [l for l in lines if re.search(rf"[(+]{kind}[,+ )]", l)]
-    return bool(sel) and all(all(n in l for n in names) for l in sel)
+    return bool(sel) and all(all(n in applied_names(l) for n in names) for l in sel)
 
 
 def device_phase_patches(rank_lines: list[str]) -> dict[int, list[str]]:

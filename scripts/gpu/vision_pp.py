@@ -50,18 +50,16 @@ get_dummy_encoder_profile_inputs); without torchvision these are skipped with th
 from __future__ import annotations
 
 import argparse
-import atexit
 import json
 import os
 import re
-import signal
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from gpurun import gdn_prefill_config  # noqa: E402
+from gpurun import applied_names, gdn_prefill_config, kill_running_on_exit  # noqa: E402
 from spec_decode_pp import MODEL_CONFIG, _cpu_inspection_shim  # noqa: E402
 
 PATCH = "vision-tower-first-rank-only"
@@ -285,18 +283,8 @@ def child(out: Path, model: Path, arm: str) -> int:
 
 # --- parent: process groups, log lines, checks -------------------------------------------------
 
-_running: list = []
-
-
-def _cleanup(*_):
-    from gpurun import kill
-
-    for proc in list(_running):
-        kill(proc, grace=3)
-
-
 def run_arm(out: Path, model: Path, arm: str, timeout: float) -> dict:
-    from gpurun import grep, kill, start
+    from gpurun import RUNNING, grep, kill, start
 
     result_file, log = out / f"{arm}-child.json", out / f"{arm}-llm.log"
     result_file.unlink(missing_ok=True)
@@ -305,7 +293,7 @@ def run_arm(out: Path, model: Path, arm: str, timeout: float) -> dict:
     t0 = time.time()
     proc = start([sys.executable, str(Path(__file__).resolve()), str(out), "--child", arm], log,
                  env={"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})  # collective_rpc with a function
-    _running.append(proc)
+    RUNNING.append(proc)
     try:
         while time.time() - t0 < timeout and proc.poll() is None and not result_file.exists():
             time.sleep(0.25)
@@ -313,19 +301,13 @@ def run_arm(out: Path, model: Path, arm: str, timeout: float) -> dict:
         res["child_rc"] = proc.poll()
     finally:
         kill(proc, grace=3)
-        _running.remove(proc)
+        RUNNING.remove(proc)
     res["wall_s"] = round(time.time() - t0, 1)
     res["child"] = json.loads(result_file.read_text()) if result_file.exists() else None
     res["plugin_lines"] = grep(log, r"vllm-dualgpu \d+\.\d+\.\d+ \(")
     res["rank_lines"] = grep(log, r"vllm-dualgpu rank \d+/\d+: ")
     res["errors"] = grep(log, r"Traceback|Error|error:")[:20]
     return res
-
-
-def applied_names(line: str) -> list[str]:
-    """The patches a plugin line lists as applied ("...: applied a, b; skipped c (why)")."""
-    m = re.search(r"\): applied (.*?); skipped ", line) or re.search(r"\): applied (.*)$", line)
-    return [n.split(" (")[0].strip() for n in m.group(1).split(", ")] if m else []
 
 
 def workers_by_rank(res: dict) -> dict[int, dict]:
@@ -354,9 +336,7 @@ def summary_of(res: dict) -> dict:
 
 
 def parent(out: Path, model: Path, timeout: float) -> int:
-    atexit.register(_cleanup)
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda s, f: (_cleanup(), sys.exit(128 + s)))
+    kill_running_on_exit()
     deadline = time.time() + timeout
     dual = run_arm(out, model, "dualgpu", max(deadline - time.time() - STOCK_MIN_S, 10.0))
     stock = run_arm(out, model, "stock", max(deadline - time.time(), 10.0))

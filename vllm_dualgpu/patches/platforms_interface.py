@@ -8,9 +8,11 @@ returns early when there is none: a stage that holds only linear-attention layer
 default 16 tokens, does not raise the block size so an attention page holds a Mamba state
 (``_align_hybrid_block_size``) and, with ``mamba_cache_mode="align"``, never sets
 ``mamba_block_size``. The other stages raise it (144 tokens for the small Qwen3.5 test model).
-EngineCore then schedules with the smallest block size of all stages (``v1/engine/core.py:345``)
-and prefix caching finds nothing: seen on two H200s, 0 hits of 63,274 queried tokens with
-the plugin's 1/7 split, where one GPU hit 39,312 (docs/gpu-runs.md).
+EngineCore then schedules with the smallest block size of all stages (``v1/engine/core.py:345``),
+so the stages disagree on where blocks, and the GDN states cached with them, begin. Seen on two
+H200s: with the plugin's 1/7 split the engine ran with 16-token blocks where one GPU used 144,
+and prefix caching hit nothing (a second cause, the since-removed ``mamba-hit-drop-last-block``
+patch, was active in that run too; docs/gpu-runs.md).
 
 vLLM's even split rarely leaves a stage without attention (Qwen3.5 has one every four layers);
 the planner's uneven splits can. Under the dualgpu executor with PP > 1, a hybrid stage without

@@ -316,8 +316,8 @@ PATCHES: tuple[Patch, ...] = (
             "Each worker sizes KV blocks from its own layers and returns early when its stage "
             "holds no non-SSM attention layer, so a stage of only Gated DeltaNet/Mamba layers "
             "keeps 16 tokens while the others raise the block size until an attention page "
-            "holds a Mamba state; EngineCore then uses the smallest, and prefix caching finds "
-            "nothing (seen on GPUs with a 1/7 split). Under dualgpu with PP > 1 such a stage "
+            "holds a Mamba state; EngineCore then schedules with the smallest (seen on GPUs: a "
+            "1/7 split ran with 16-token blocks where one GPU uses 144). Under dualgpu with PP > 1 such a stage "
             "selects the model's attention backend and runs vLLM's own block-size code with it."
         ),
         upstream="none found (vLLM's even split rarely leaves a stage without attention)",
