@@ -99,6 +99,39 @@ def qwen3_5():
         yield module
 
 
+@pytest.fixture(scope="module")
+def qwen3_5_hybrid_config(qwen3_5, tmp_path_factory):
+    """make(backend="dualgpu", **engine_args) -> vLLM's real VllmConfig of the GPU runs' small
+    Qwen3.5 hybrid (6 Gated DeltaNet + 2 attention layers, one MTP layer) with PP=2."""
+    import vllm.model_executor.models.registry as registry
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_dualgpu.patches.arg_utils import wrap_create_engine_config
+
+    d = tmp_path_factory.mktemp("qwen3_5-hybrid")
+    (d / "config.json").write_text(json.dumps(load_gpu_script("spec_decode_pp").MODEL_CONFIG))
+    create = getattr(EngineArgs.create_engine_config, "__wrapped__", None)
+    create = wrap_create_engine_config(create or EngineArgs.create_engine_config)
+
+    def make(backend: str = "dualgpu", **kw):
+        kw = {"pipeline_parallel_size": 2, "enable_prefix_caching": True, "max_model_len": 4096, **kw}
+        return create(EngineArgs(model=str(d), load_format="dummy", skip_tokenizer_init=True,
+                                 distributed_executor_backend=backend, **kw))
+
+    # vLLM inspects model classes in a subprocess, where the qwen3_5 fixture's stand-in for the
+    # torchvision-backed module does not exist: inspect here instead (no CUDA involved).
+    # Its lookups are cached per process, failures included (an earlier test may have tried
+    # without the stand-in): start and end with empty caches.
+    caches = (registry._try_load_model_cls, registry._try_inspect_model_cls)
+    for c in caches:
+        c.cache_clear()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(registry, "_run_in_subprocess", lambda fn: fn())
+        yield make
+    for c in caches:
+        c.cache_clear()
+
+
 GPU_SCRIPTS = Path(__file__).resolve().parents[1] / "scripts" / "gpu"
 
 

@@ -10,38 +10,21 @@ so the sizes are the CPU backend's, and the comparison is stage against stage, a
 
 from __future__ import annotations
 
-import json
 import logging
-import sys
 
 import pytest
 import torch
 
-from conftest import GPU_SCRIPTS, registry_patch
+from conftest import registry_patch
 from vllm_dualgpu.patches.core import ALREADY, APPLIED, apply_patch, revert_patch
-
-sys.path.insert(0, str(GPU_SCRIPTS))
-from spec_decode_pp import MODEL_CONFIG  # noqa: E402  (the GPU run's small Qwen3.5 hybrid)
 
 NAME = "hybrid-block-size-every-stage"
 
 
 @pytest.fixture(scope="module")
-def make_config(qwen3_5, tmp_path_factory):
-    import vllm.model_executor.models.registry as registry
-    from vllm.engine.arg_utils import EngineArgs
-
-    from vllm_dualgpu.patches.arg_utils import wrap_create_engine_config
-
-    d = tmp_path_factory.mktemp("qwen3_5-hybrid")
-    (d / "config.json").write_text(json.dumps(MODEL_CONFIG))
-    create = getattr(EngineArgs.create_engine_config, "__wrapped__", None)
-    create = wrap_create_engine_config(create or EngineArgs.create_engine_config)
-
+def make_config(qwen3_5_hybrid_config):
     def make(backend: str = "dualgpu", with_attention: bool = False, **kw):
-        cfg = create(EngineArgs(model=str(d), load_format="dummy", skip_tokenizer_init=True,
-                                pipeline_parallel_size=2, distributed_executor_backend=backend,
-                                enable_prefix_caching=True, max_model_len=4096, **kw))
+        cfg = qwen3_5_hybrid_config(backend, **kw)
         if with_attention:  # a stage holding layer 3, a full-attention layer, as vLLM builds it
             from vllm.config.vllm import set_current_vllm_config
             from vllm.model_executor.layers.attention.attention import Attention
@@ -58,18 +41,7 @@ def make_config(qwen3_5, tmp_path_factory):
                 torch.set_default_dtype(default)
         return cfg
 
-    # vLLM inspects model classes in a subprocess, where the qwen3_5 fixture's stand-in for the
-    # torchvision-backed module does not exist: inspect here instead (no CUDA involved).
-    # Its lookups are cached per process, failures included (an earlier test may have tried
-    # without the stand-in): start and end with empty caches.
-    caches = (registry._try_load_model_cls, registry._try_inspect_model_cls)
-    for c in caches:
-        c.cache_clear()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(registry, "_run_in_subprocess", lambda fn: fn())
-        yield make
-    for c in caches:
-        c.cache_clear()
+    return make
 
 
 @pytest.fixture

@@ -262,6 +262,28 @@ def test_drafter_embedding_stock_without_dualgpu_or_with_own_flag(applied, pp_gr
     assert trained.model.embed_tokens is own
 
 
+def test_drafter_with_own_table_beside_a_quantized_target(applied, active, pp_group, monkeypatch):
+    """A packed target embedding has no .weight: vLLM's comparison raises, the patch keeps the
+    drafter's own table (qwen3-next-embed-quant-config makes Qwen3.5 embeddings packed)."""
+    from vllm.v1.worker.gpu.spec_decode.eagle import utils as eagle_utils
+
+    applied("drafter-shares-target-embed")
+    target_inner = nn.Module()
+    target_inner.embed_tokens = nn.Module()
+    target_inner.embed_tokens.weight_packed = nn.Parameter(torch.zeros(32, 2, dtype=torch.int32),
+                                                           requires_grad=False)
+    drafter = FakeDraft()
+    drafter.has_own_embed_tokens = True
+    own = drafter.model.embed_tokens
+    with pytest.raises(AttributeError, match="weight"):
+        eagle_utils.maybe_share_target_embed.__wrapped__(drafter, drafter.model, target_inner)
+    eagle_utils.maybe_share_target_embed(drafter, drafter.model, target_inner)
+    assert drafter.model.embed_tokens is own
+    monkeypatch.delenv(ACTIVE_ENV, raising=False)  # other executors: vLLM's behaviour
+    with pytest.raises(AttributeError, match="weight"):
+        eagle_utils.maybe_share_target_embed(drafter, drafter.model, target_inner)
+
+
 # --- item 7: hybrid KV cache groups without padding under PP ----------------------------------
 
 

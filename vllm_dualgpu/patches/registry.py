@@ -221,7 +221,9 @@ PATCHES: tuple[Patch, ...] = (
             "has_own_embed_tokens (MTP), so the drafter on the last rank keeps its own copy of "
             "the input embedding although the target holds one on that rank too (+2.4 GiB on "
             "a 27B Qwen3.5). Under the dualgpu executor the drafter shares the target's "
-            "embedding whenever it exists on the stage, as vLLM does without PP."
+            "embedding whenever it exists on the stage, as vLLM does without PP. A drafter with "
+            "its own table (EAGLE3, DFlash) beside a quantized target embedding (no .weight, "
+            "where vLLM's comparison raises AttributeError) keeps its own table."
         ),
         upstream="none known (same code in vLLM 0.33)",
         remove_when="vLLM shares the target embedding with the drafter under PP",
@@ -431,6 +433,38 @@ PATCHES: tuple[Patch, ...] = (
         params=("self", "layers"),
         issue="#6",
         source_sha256="445fa3c254ff474d21e24d3165797d9544be253fe9ae3fb8dca723b27df55c44",
+    ),
+    Patch(
+        name="qwen3-next-embed-quant-config",
+        target="vllm.model_executor.layers.vocab_parallel_embedding:VocabParallelEmbedding.__init__",
+        processes=(WORKER,),
+        vllm_versions=V030,
+        why=(
+            "Qwen3NextModel, Qwen3_5Model and both families' MTP predictors build embed_tokens "
+            "without quant_config (Qwen2 and Llama pass it), so a checkpoint with a quantized "
+            "embedding (compressed-tensors INT W8A16/W4A16, CompressedTensorsEmbeddingWNA16Int) "
+            "fails to load or must keep a dense table (2.4 GiB on a 27B model, on the first "
+            "rank). In dualgpu runs an embedding built by one of those four methods without "
+            "quant_config gets the model's, with the prefix <prefix>.embed_tokens; every other "
+            "caller is unchanged, and the patch falls silent once vLLM passes it."
+        ),
+        upstream="vLLM issue #54304; vLLM PR #45994 (open) passes quant_config",
+        remove_when="vLLM passes quant_config to these embeddings (PR #45994 or equivalent)",
+        factory="vllm_dualgpu.patches.vocab_embedding:wrap_vocab_parallel_embedding_init",
+        params=(
+            "self",
+            "num_embeddings",
+            "embedding_dim",
+            "params_dtype",
+            "org_num_embeddings",
+            "padding_size",
+            "quant_config",
+            "prefix",
+            "disable_tp",
+            "quant_method",
+            "parallel_group",
+        ),
+        issue="#6",
     ),
 )
 

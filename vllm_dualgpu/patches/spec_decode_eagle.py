@@ -10,6 +10,12 @@ target's embedding exists on this stage (not a ``PPMissingLayer``), the patched 
 it exactly as vLLM does without PP; when it does not exist, vLLM's early return is kept, so
 the drafter still has an embedding. ``dflash.utils`` imported a copy of the function and is
 rebound too; ``dspark.utils`` imports it at call time and sees the patched function.
+
+A drafter that declares ``has_own_embed_tokens`` (EAGLE3, DFlash) is shared only when its table
+equals the target's (vLLM's ``_should_share`` compares ``.weight``). A quantized target embedding
+(``qwen3-next-embed-quant-config``) has packed weights and no ``.weight``, so vLLM's comparison
+would raise ``AttributeError``; under the dualgpu executor such a drafter keeps its own table
+(a packed table cannot equal a dense one).
 """
 
 from __future__ import annotations
@@ -33,11 +39,22 @@ def target_embedding(target_inner):
     return embed
 
 
+def keeps_own_beside_packed_target(draft_model, draft_inner, target_inner) -> bool:
+    """A drafter with its own table beside a target embedding without ``.weight`` (quantized)."""
+    if not getattr(draft_model, "has_own_embed_tokens", False):
+        return False
+    target_embed = target_embedding(target_inner)
+    draft_embed = getattr(draft_inner, "embed_tokens", None)
+    return draft_embed is not None and target_embed is not None and not hasattr(target_embed, "weight")
+
+
 def wrap_maybe_share_target_embed(original: Callable) -> Callable:
     @functools.wraps(original)
     def maybe_share_target_embed(draft_model, draft_inner, target_inner) -> None:
         from vllm.distributed.parallel_state import get_pp_group
 
+        if dualgpu_active() and keeps_own_beside_packed_target(draft_model, draft_inner, target_inner):
+            return None
         # Only the case vLLM skips: PP > 1 and a drafter that declares nothing.
         if (
             not dualgpu_active()
