@@ -31,6 +31,13 @@ def rank_budget(free: int, total: int, reserve: int, cap: int | None) -> int:
     return budget
 
 
+def kv_backing_bytes(kv_cache_config) -> int:
+    """Bytes of this rank's KV cache. vLLM 0.30 places every ``KVCacheTensor`` in one backing
+    allocation of ``size`` bytes (``v1/worker/utils.py``: the cache groups of a hybrid model
+    overlay each other), so the sizes are not added up."""
+    return max((t.size for t in kv_cache_config.kv_cache_tensors), default=0)
+
+
 def profiled_vs_predicted(requested: int, available_kv: int, predicted_kv: int | None) -> str:
     """vLLM's profile of this rank (what it charges besides the KV cache) against the plan.
 
@@ -229,7 +236,7 @@ class DualGpuWorker(Worker):
 
     def initialize_from_config(self, kv_cache_config) -> None:
         super().initialize_from_config(kv_cache_config)
-        self._dualgpu_kv_bytes = sum(t.size for t in kv_cache_config.kv_cache_tensors)
+        self._dualgpu_kv_bytes = kv_backing_bytes(kv_cache_config)
         self.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
 
     def _pp_position(self) -> tuple[int, int]:
