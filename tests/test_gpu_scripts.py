@@ -25,6 +25,13 @@ sys.path.insert(0, str(GPU_SCRIPTS))  # the scripts import each other by name
 import e2e_correctness as e2e  # noqa: E402
 import make_model  # noqa: E402
 import soak  # noqa: E402
+from conftest import gpu_script_dry_run  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _e2e_default_dtype(monkeypatch):
+    """The e2e harness's default dtype (bf16) unless a test sets E2E_DTYPE itself."""
+    monkeypatch.delenv("E2E_DTYPE", raising=False)
 
 
 # --- arguments ----------------------------------------------------------------------------------
@@ -270,6 +277,9 @@ def test_engine_settings_per_run(tmp_path, monkeypatch):
     # Hybrid runs name their GDN prefill kernel (the same in every run); dense ones do not.
     assert kp["additional_config"] == e2e.gdn_prefill_config() == {"gdn_prefill_backend": "triton"}
     assert "additional_config" not in ks
+    # bf16 (the default): vLLM picks the attention backend; Triton's float32 default is untouched.
+    assert "attention_backend" not in ks and "attention_backend" not in kp
+    assert "TRITON_F32_DEFAULT" not in es and "TRITON_F32_DEFAULT" not in ep
     monkeypatch.setenv("E2E_BATCH_INVARIANT", "1")
     assert e2e.run_env(stock, tmp_path)["VLLM_BATCH_INVARIANT"] == "1" and stock.invariant
 
@@ -319,6 +329,77 @@ def test_make_comparisons_rejects_vacuous_passes(tmp_path):
     assert "no draft tokens" in res["hybrid-mtp-1gpu no-hits-vs-full-hits"]["reason"]
     assert "without outputs: dense-pp2" in res["dense 1gpu-vs-pp2 no-hits"]["reason"]
     assert not any(c["ok"] for c in res.values())
+
+
+# --- E2E_DTYPE=float32 ----------------------------------------------------------------------------
+
+
+def test_e2e_float32_engine_configs(tmp_path, monkeypatch):
+    """Every planned float32 run gets a float32 vLLM config with Triton attention (the dry run
+    builds the real configs); the hybrid, which has no float32 GDN prefill kernel, is left out."""
+    monkeypatch.setenv("E2E_DTYPE", "float32")
+    result = json.loads((gpu_script_dry_run("e2e_correctness", tmp_path, timeout=180)
+                         / "e2e_dry_run.json").read_text())
+    planned = [r for phase in e2e.plan_runs(quick=False) for lane in phase for r in lane]
+    assert result["dtype"] == "float32" and set(result["runs"]) == {r.name for r in planned}
+    assert {r.name for r in planned} == {"dense-1gpu", "dense-pp2"}  # stock and plugin
+    for name, run in result["runs"].items():
+        assert run["dtype"] == "float32" and run["attention_backend"] == "TRITON_ATTN", (name, run)
+    assert result["runs"]["dense-pp2"]["pipeline_parallel_size"] == 2
+    assert result["runs"]["dense-pp2"]["executor"] == "DualGpuExecutor"
+    assert result["runs"]["dense-1gpu"]["pipeline_parallel_size"] == 1
+    assert not any("hybrid" in c[0] for q in (True, False) for c in e2e.planned_comparisons(q))
+    assert all(e2e.run_env(r, tmp_path)["TRITON_F32_DEFAULT"] == "ieee" for r in planned)
+
+
+def _near_tie_runs(out: Path, dtype: str) -> tuple[dict, dict]:
+    """Fake dense runs of one dtype, neither batch invariant, where the PP=2 run takes the
+    runner-up token at prompt 2, position 1 in every pass: 0.02 / 0.03 nats behind, a near tie."""
+    prompts = {"prompts": [[3] * 5, [4] * 5, [5] * 9], "max_tokens": [3, 2, 2], "family": [None, 0, 0],
+               "prefixes": [[4] * 4]}
+    hits = {"no-hits": [0, 0, 0], "prefix-hits": [0, 4, 4], "full-hits": [0, 4, 8]}
+    ref = [[10, 11, 12], [13, 14], [15, 16]]
+    got = [[10, 11, 12], [13, 14], [15, 99]]
+    runs = {}
+    for name, outs, lps in (("dense-1gpu", ref, _lps(ref, (2, 1), 0.02, alt=99)),
+                            ("dense-pp2", got, _lps(got, (2, 1), 0.03, alt=16))):
+        runs[name] = _fake_run(out, name, "dense", prompts, dict.fromkeys(e2e.PASSES, outs), False, hits)
+        runs[name]["run"]["invariant"] = False
+        runs[name]["engine"]["dtype"] = dtype
+        f = out / "outputs" / f"{name}.json"
+        data = json.loads(f.read_text())
+        for p in e2e.PASSES:
+            data["passes"][p]["logprobs"] = lps
+        f.write_text(json.dumps(data))
+    return runs, prompts
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_e2e_near_tie_fails_only_in_float32(tmp_path, monkeypatch, dtype):
+    monkeypatch.setenv("E2E_DTYPE", dtype)
+    runs, prompts = _near_tie_runs(tmp_path, dtype)
+    res = {c["name"]: c for c in e2e.make_comparisons(tmp_path, runs, prompts, True, False, e2e.TIE_TOL)}
+    for p in e2e.PASSES:
+        c = res[f"dense 1gpu-vs-pp2 {p}"]
+        (m,) = c["mismatches"]
+        assert m["near_tie"] and (m["gap_ref"], m["gap_got"]) == (pytest.approx(0.02), pytest.approx(0.03))
+        assert c["near_ties"] == 1 and c["identical"] == 2
+        # float32: strict without --strict, so the near tie is a failure; bf16 tolerates it.
+        assert (c["strict"], c["ok"]) == ((True, False) if dtype == "float32" else (False, True)), c
+    assert all(res[f"{r} no-hits-vs-{p}"]["ok"] for r in ("dense-1gpu", "dense-pp2") for p in e2e.HIT_PASSES)
+
+
+def test_e2e_rejects_an_unknown_dtype(tmp_path, monkeypatch):
+    monkeypatch.setenv("E2E_DTYPE", "float16")
+    with pytest.raises(ValueError, match="E2E_DTYPE='float16': must be one of bfloat16, float32"):
+        e2e.e2e_dtype()
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, str(GPU_SCRIPTS / "e2e_correctness.py"), str(out), "--dry-run"],
+                       capture_output=True, text=True, timeout=60, env={**os.environ, "E2E_DTYPE": "float16"})
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    errors = [line for line in r.stderr.splitlines() if "error:" in line]
+    assert errors == ["e2e_correctness.py: error: E2E_DTYPE='float16': must be one of bfloat16, float32"]
+    assert not out.exists()
 
 
 # --- soak: workload, client, statistics, plot ---------------------------------------------------

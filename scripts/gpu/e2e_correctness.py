@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Issue #7 correctness harness: stock vLLM on one GPU vs vllm-dualgpu with PP=2, token for token.
 
-    python scripts/gpu/e2e_correctness.py OUTDIR [--quick] [--strict] [--tie-tol 0.1]
+    python scripts/gpu/e2e_correctness.py OUTDIR [--quick] [--strict] [--tie-tol 0.1] [--dry-run]
 
 Run it on the GPU machine after staging (``OUT=DIR bash scripts/gpu/session.sh e2e`` runs the
 quick set; ``e2e-full`` the full one), or through pytest: ``tests/e2e/test_correctness.py``.
@@ -13,8 +13,8 @@ Models, made here with seeded random weights (``make_model.py --weights random -
 - ``small-dense``: Qwen3, 8 layers.
 - ``small-hybrid``: Qwen3.5-style, Gated DeltaNet + full attention, with one MTP layer.
 
-Runs (each its own engine, in its own process group, ``enforce_eager``, bf16, max_model_len 4096,
-the same scheduler limits everywhere):
+Runs (each its own engine, in its own process group, ``enforce_eager``, bf16 (see E2E_DTYPE),
+max_model_len 4096, the same scheduler limits everywhere):
 
 - stock vLLM, PP=1, one GPU (``CUDA_VISIBLE_DEVICES``): dense on GPU 0 and hybrid+MTP on
   GPU 1, side by side (both cards are the same model, so the kernels are the same);
@@ -55,6 +55,16 @@ first differing index and the logprob gaps there), the raw outputs under OUTDIR/
 under OUTDIR/logs/. Exit code 0 only if every run worked and every comparison passed.
 E2E_ONE_GPU_UTIL=U gives the one-GPU stock runs --gpu-memory-utilization U (for GPUs shared
 with other work, e.g. a soak); the default leaves vLLM's 0.9.
+E2E_DTYPE=float32 (default bfloat16) runs every engine in float32, to show literal token-for-token
+identity: bf16 logits near 4 are 0.03 apart, so random-weight models tie often; float32's are
+~5e-7 apart. Every comparison is then strict (a near tie fails; gaps are still reported), every
+engine gets ``attention_backend="TRITON_ATTN"`` and ``TRITON_F32_DEFAULT=ieee``, and only the
+dense model runs: vLLM 0.30 has no float32 GDN prefill kernel (see the FLOAT32_NOTES comment).
+The weights stay bf16 on disk: vLLM upcasts them exactly when loading. The JSON records ``dtype``.
+
+``--dry-run`` (no GPU; sets VLLM_TARGET_DEVICE=cpu): builds each planned run's vLLM engine config
+from config-only model folders and writes OUTDIR/e2e_dry_run.json (dtype, attention backend, PP
+size, executor per run).
 """
 
 from __future__ import annotations
@@ -84,7 +94,47 @@ MTP = {"method": "mtp", "num_speculative_tokens": 2}
 PASSES = ("no-hits", "prefix-hits", "full-hits")
 HIT_PASSES = ("prefix-hits", "full-hits")
 PRESETS = {"dense": "small-dense", "hybrid": "small-hybrid"}
+DTYPES = ("bfloat16", "float32")  # E2E_DTYPE values, the default first
+FP32_LEFT_OUT = {"hybrid": "vLLM 0.30 has no float32 GDN prefill kernel (FLA's chunk_gated_delta_rule "
+                           "asserts q.dtype != float32; FlashInfer's SM90 kernel takes fp16/bf16 only)"}
 LIVE: set = set()  # engine processes running now, killed on SIGTERM/SIGINT
+
+# FLOAT32_NOTES: what vLLM 0.30.0 does with dtype=float32 on an H200 (SM 9.0), read from its
+# sources (paths under site-packages/; not run on a GPU yet).
+# - Attention: the SM 9.x non-MLA priority list is FLASH_ATTN, FLASHINFER, TRITON_ATTN,
+#   FLEX_ATTENTION (vllm/platforms/cuda.py:166-178); FlashAttention and FlashInfer take fp16/bf16
+#   only (vllm/v1/attention/backends/flash_attn.py:284, flashinfer.py:413; checked in
+#   vllm/v1/attention/backend.py:299), Triton takes float32 (triton_attn.py:289-293). So auto
+#   selection lands on TRITON_ATTN; it is named here (attention_backend, vllm/engine/arg_utils.py:
+#   2494-2503) so a refusal is an error at boot (vllm/platforms/cuda.py:460-476), not a fallback.
+# - TF32: the Triton attention kernel's tl.dot calls name no precision
+#   (vllm/v1/attention/ops/triton_unified_attention.py:545-589), and Triton 3.9 defaults fp32 dots
+#   to TF32 on NVIDIA (triton/language/core.py:2284, triton/backends/nvidia/compiler.py:139)
+#   unless TRITON_F32_DEFAULT is set (triton/knobs.py:498; part of Triton's cache key): float32
+#   runs set TRITON_F32_DEFAULT=ieee. cuBLAS stays IEEE: workers call
+#   torch.set_float32_matmul_precision(VLLM_FLOAT32_MATMUL_PRECISION), default "highest"
+#   (vllm/v1/worker/gpu_worker.py:199-201, vllm/envs.py:611-616); set explicitly here too.
+#   Decode batches of at most 128 // kv_heads sequences use the 3D (split-softmax) kernel, others
+#   the 2D one (triton_unified_attention.py:1046-1055): batch composition still changes the
+#   reduction order, at float32 rounding (~1e-7) instead of bf16's.
+# - GDN (Qwen3.5): refused. The prefill kernels take no float32: FLA's chunk_gated_delta_rule
+#   asserts q.dtype != float32 (vllm/third_party/flash_linear_attention/ops/chunk.py:212-215,
+#   used for gdn_prefill_backend=triton, which gpurun.gdn_prefill_config sets); FlashInfer's SM90
+#   kernel raises for anything but fp16/bf16 (flashinfer/gdn_kernels/delta_rule_dsl/
+#   delta_rule_sm90.py:2326-2331; its CP variant too, flashinfer/gdn_prefill.py:86-87); CuTe DSL
+#   is SM100 only (vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py:133-148). No
+#   setting avoids them. The profile-time warmup swallows the error (qwen_gdn_linear_attn.py:
+#   1157-1178), so the engine would boot and fail at its first prefill: float32 runs leave the
+#   hybrid out (FP32_LEFT_OUT). The rest would take float32: causal_conv1d casts to the conv-state
+#   dtype with no check (vllm/model_executor/layers/mamba/ops/causal_conv1d.py:557, 1160), the
+#   recurrent decode kernels compute in float32 (flash_linear_attention/ops/fused_recurrent.py:
+#   120-143, fused_sigmoid_gating.py:120-136), the fused CUDA decode falls back to Triton for
+#   non-bf16 models (qwen_gdn_linear_attn.py:510-557), and the GDN states follow the model dtype
+#   (vllm/model_executor/layers/mamba/mamba_utils.py:98-110).
+# - MTP: the drafter gets the target's dtype (vllm/config/speculative.py:1281); no dtype check.
+#   Prefix caching with mamba_cache_mode "align" has none either
+#   (vllm/model_executor/models/config.py:622-650). CUDA graphs: these runs are enforce_eager;
+#   TRITON_ATTN supports them anyway (triton_attn.py:100).
 
 
 def group_members(pgid: int) -> list[int]:
@@ -230,6 +280,14 @@ def compare(ref: list[list[int]], got: list[list[int]], ref_lps: list | None = N
 # --- runs ---------------------------------------------------------------------------------------
 
 
+def e2e_dtype() -> str:
+    """The engines' dtype: E2E_DTYPE, bfloat16 when unset."""
+    d = os.environ.get("E2E_DTYPE") or DTYPES[0]
+    if d not in DTYPES:
+        raise ValueError(f"E2E_DTYPE={d!r}: must be one of {', '.join(DTYPES)}")
+    return d
+
+
 @dataclass
 class Run:
     name: str
@@ -257,19 +315,24 @@ def plan_runs(quick: bool) -> list[list[list[Run]]]:
               [[Run("hybrid-mtp-pp2", "hybrid", 2, mtp=True)]]]
     if not quick:
         phases.append([[Run("hybrid-mtp-pp2-nocache", "hybrid", 2, mtp=True, prefix_caching=False)]])
+    if e2e_dtype() == "float32":  # without the models FP32_LEFT_OUT names
+        phases = [[lane for lane in ([r for r in lane if r.model not in FP32_LEFT_OUT] for lane in ph) if lane]
+                  for ph in phases]
+        phases = [ph for ph in phases if ph]
     return phases
 
 
 def planned_comparisons(quick: bool) -> list[tuple[str, str, str, str, str]]:
     """(name, run_a, pass_a, run_b, pass_b) of every comparison the mode makes."""
     out = []
-    for model in ("dense", "hybrid-mtp"):
+    models = ("dense",) if e2e_dtype() == "float32" else ("dense", "hybrid-mtp")  # FP32_LEFT_OUT
+    for model in models:
         for p in PASSES:
             out.append((f"{model} 1gpu-vs-pp2 {p}", f"{model}-1gpu", p, f"{model}-pp2", p))
         for run in (f"{model}-1gpu", f"{model}-pp2"):
             for p in HIT_PASSES:
                 out.append((f"{run} no-hits-vs-{p}", run, "no-hits", run, p))
-    if not quick:
+    if not quick and "hybrid-mtp" in models:
         for p in PASSES:
             out.append((f"hybrid-mtp-pp2 {p}-vs-cache-off", "hybrid-mtp-pp2-nocache", "no-hits",
                         "hybrid-mtp-pp2", p))
@@ -281,7 +344,7 @@ def planned_comparisons(quick: bool) -> list[tuple[str, str, str, str, str]]:
 
 def engine_kwargs(run: Run, model_dir: Path) -> dict:
     kw = {"model": str(model_dir), "skip_tokenizer_init": True, "enforce_eager": True,
-          "dtype": "bfloat16", "max_model_len": MAX_MODEL_LEN, "seed": 0,
+          "dtype": e2e_dtype(), "max_model_len": MAX_MODEL_LEN, "seed": 0,
           "max_num_batched_tokens": MAX_BATCHED_TOKENS, "max_num_seqs": 64,
           "enable_prefix_caching": run.prefix_caching, "disable_log_stats": False}
     if run.pp > 1:
@@ -292,6 +355,8 @@ def engine_kwargs(run: Run, model_dir: Path) -> dict:
         kw["speculative_config"] = dict(MTP)
     if run.model == "hybrid":
         kw["additional_config"] = gdn_prefill_config()  # the same GDN kernel in every run
+    if kw["dtype"] == "float32":  # the one attention backend that takes it (FLOAT32_NOTES)
+        kw["attention_backend"] = "TRITON_ATTN"
     return kw
 
 
@@ -306,6 +371,9 @@ def run_env(run: Run, out: Path) -> dict:
         env["CUBLASLT_WORKSPACE_SIZE"] = "1"
     if run.pp > 1:
         env["VLLM_DUALGPU_PLAN_FILE"] = str(out / "logs" / f"{run.name}.plan.json")
+    if e2e_dtype() == "float32":  # IEEE float32 products in Triton kernels and cuBLAS, not TF32
+        env["TRITON_F32_DEFAULT"] = "ieee"
+        env["VLLM_FLOAT32_MATMUL_PRECISION"] = "highest"
     return env
 
 
@@ -381,8 +449,9 @@ def make_comparisons(out: Path, runs: dict, prompts: dict, quick: bool, strict: 
     results = []
     for name, ra, pa, rb, pb in planned_comparisons(quick):
         c: dict = {"name": name, "a": f"{ra}:{pa}", "b": f"{rb}:{pb}"}
-        c["strict"] = strict or (runs.get(ra, {}).get("run", {}).get("invariant") is True
-                                 and runs.get(rb, {}).get("run", {}).get("invariant") is True)
+        # float32 runs, like batch-invariant ones, must agree exactly: a near tie is a mismatch.
+        c["strict"] = strict or all(runs.get(r, {}).get("run", {}).get("invariant") is True for r in (ra, rb)) \
+            or all(runs.get(r, {}).get("engine", {}).get("dtype") == "float32" for r in (ra, rb))
         oa, ob = load_outputs(out, ra), load_outputs(out, rb)
         if oa is None or ob is None:
             missing = [r for r, o in ((ra, oa), (rb, ob)) if o is None]
@@ -417,6 +486,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
         return child(Path(args.child))
+    if args.dry_run:
+        return dry_run(args.outdir, args.quick)
     old = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         return orchestrate(args)
@@ -429,7 +500,11 @@ def orchestrate(args: argparse.Namespace) -> int:
     out: Path = args.outdir
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
+    dtype = e2e_dtype()
     phases = plan_runs(args.quick)
+    left_out = FP32_LEFT_OUT if dtype == "float32" else {}
+    for model, why in left_out.items():
+        print(f"E2E_DTYPE=float32: the {model} model is left out: {why}", flush=True)
     prompts = build_prompts(seed=0)
     models = make_models(out, {r.model for ph in phases for lane in ph for r in lane})
     if "hybrid" in models:
@@ -459,6 +534,7 @@ def orchestrate(args: argparse.Namespace) -> int:
     comparisons = make_comparisons(out, runs, prompts, args.quick, args.strict, args.tie_tol)
     ok = all(r.get("ok") for r in runs.values()) and all(c["ok"] for c in comparisons)
     report = {"ok": ok, "quick": args.quick, "strict": args.strict, "tie_tol": args.tie_tol,
+              "dtype": dtype, "left_out": left_out,
               "wall_s": round(time.time() - t0, 1), "ballast_free_gib": FREE_GIB,
               "prompts": {"count": len(prompts["prompts"]),
                           "lengths": [len(p) for p in prompts["prompts"]],
@@ -474,7 +550,7 @@ def orchestrate(args: argparse.Namespace) -> int:
         print(f"{'PASS' if c['ok'] else 'FAIL'} {c['name']}: {c.get('identical', 0)}/{c.get('prompts', 0)} identical"
               f"{', ' + str(c.get('near_ties')) + ' near ties' if c.get('near_ties') else ''}"
               f"{' (strict)' if c['strict'] else ''} {detail}", flush=True)
-    print(f"e2e_correctness: {'OK' if ok else 'FAILED'} in {report['wall_s']} s", flush=True)
+    print(f"e2e_correctness ({dtype}): {'OK' if ok else 'FAILED'} in {report['wall_s']} s", flush=True)
     return 0 if ok else 1
 
 
@@ -486,11 +562,49 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tie-tol", type=float, default=TIE_TOL,
                     help="largest logprob gap (nats) counted as a near tie (hybrid runs only)")
     ap.add_argument("--run-timeout", type=float, default=330, help="seconds per engine run")
+    ap.add_argument("--dry-run", action="store_true", help="CPU only: build every run's engine config")
     ap.add_argument("--child", metavar="SPEC_JSON", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child is None and args.outdir is None:
         ap.error("OUTDIR is required")
+    try:
+        e2e_dtype()
+    except ValueError as exc:
+        ap.error(str(exc))
     return args
+
+
+# --- dry run (CPU) ------------------------------------------------------------------------------
+
+
+def dry_run(out: Path, quick: bool) -> int:
+    """Build every planned run's vLLM engine config on the CPU from config-only model folders;
+    write what each run would get to OUTDIR/e2e_dry_run.json."""
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    from make_model import PRESETS as CONFIGS
+    from spec_decode_pp import _cpu_inspection_shim
+
+    res: dict = {"mode": "dry-run", "dtype": e2e_dtype(), "quick": quick, "shim": _cpu_inspection_shim(),
+                 "runs": {}}
+    from vllm.engine.arg_utils import EngineArgs
+
+    for r in (r for phase in plan_runs(quick) for lane in phase for r in lane):
+        d = out / "dry-run-models" / PRESETS[r.model]
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "config.json").write_text(json.dumps(CONFIGS[PRESETS[r.model]]()))
+        cfg = EngineArgs(**engine_kwargs(r, d)).create_engine_config()
+        spec, backend = cfg.speculative_config, cfg.parallel_config.distributed_executor_backend
+        res["runs"][r.name] = {
+            "dtype": str(cfg.model_config.dtype).removeprefix("torch."),
+            "draft_dtype": str(spec.draft_model_config.dtype).removeprefix("torch.") if spec else None,
+            "attention_backend": getattr(cfg.attention_config.backend, "name", None),
+            "pipeline_parallel_size": cfg.parallel_config.pipeline_parallel_size,
+            "executor": getattr(backend, "__name__", str(backend)),
+            "enable_prefix_caching": cfg.cache_config.enable_prefix_caching,
+        }
+    (out / "e2e_dry_run.json").write_text(json.dumps(res, indent=1))
+    print(json.dumps(res), flush=True)
+    return 0
 
 
 # --- child: one engine, three passes ------------------------------------------------------------
