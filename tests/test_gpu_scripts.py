@@ -441,6 +441,17 @@ def test_soak_rates_and_summary():
     assert soak.percentile([], 0.5) is None and soak.percentile([4.0], 0.9) == 4.0
 
 
+def test_soak_drain_window_stays_out_of_the_rates():
+    """The fourth session's soak: a last 4.9-s window (the drain) at half the rate was the run's
+    "min"; it is flagged and left out of the statistics."""
+    samples = _samples()
+    samples.append({**samples[-1], "t_s": 125.0, "server_tokens": 1825.0, "tokens": 910})
+    s = soak.summarize([], samples)
+    assert [w["partial"] for w in s["windows"]] == [False] * 4 + [True]
+    assert s["tok_s"] == {"mean": 15.0, "min": 0.0, "max": 30.0}  # as without the drain window
+    assert s["windows"][-1]["server_tok_s"] == 5.0
+
+
 def test_soak_reads_the_prefix_cache_counters():
     page = ("# HELP vllm:prefix_cache_hits Prefix cache hits, in terms of number of cached tokens.\n"
             'vllm:prefix_cache_hits_total{engine="0",model_name="soak"} 300.0\n'

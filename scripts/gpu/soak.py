@@ -5,7 +5,7 @@
                                       [--request-timeout 120] [--sample-s 30] [--no-mtp]
 
 On the GPU machine after staging: ``OUT=DIR bash scripts/gpu/session.sh soak`` (stage limit
-800 s: ~2 min boot + 10 min load + drain). The run takes longer than one 10-minute command, so
+1,320 s: a boot of up to 10 min on a fresh machine + 10 min load + drain). The run takes longer than one 10-minute command, so
 start it detached and collect it later, e.g.
 ``setsid nohup env OUT=DIR bash scripts/gpu/session.sh soak > DIR/soak-session.log 2>&1 &``
 then poll for ``DIR/soak.json``. Needs both GPUs free.
@@ -320,7 +320,14 @@ def summarize(records: list[dict], samples: list[dict]) -> dict:
     lat = [r["latency_s"] for r in ok]
     ttft = [r["ttft_s"] for r in ok if r.get("ttft_s") is not None]
     win = rates(samples)
-    tok_s = [w["server_tok_s"] if w["server_tok_s"] is not None else w["client_tok_s"] for w in win]
+    # The last sample comes when the drained requests have finished, seconds after the previous
+    # one: a window under half the usual length is the drain, not load, and stays out of the
+    # rate statistics (it is still listed, flagged).
+    usual = statistics.median(w["window_s"] for w in win) if win else 0.0
+    for w in win:
+        w["partial"] = w["window_s"] < usual / 2
+    tok_s = [w["server_tok_s"] if w["server_tok_s"] is not None else w["client_tok_s"]
+             for w in win if not w["partial"]]
     return {
         "requests": len(records), "ok": len(ok),
         "errors": sum(r["status"] == "error" for r in records),
