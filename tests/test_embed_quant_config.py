@@ -118,7 +118,7 @@ def test_patched_model_embedding_is_quantized(patched, build, qwen3_5, active):
     assert type(model.embed_tokens.quant_method).__name__ == "CompressedTensorsEmbeddingWNA16Int"
     assert {"weight_packed", "weight_scale"} <= params(model)
     assert "weight" not in params(model)
-    assert model.embed_tokens.weight_packed.numel() * 4 == VOCAB * HIDDEN  # int8: a quarter of a bf16 table's bytes
+    assert model.embed_tokens.weight_packed.numel() * 4 == VOCAB * HIDDEN  # int8, four to a word: half a bf16 table's bytes
 
 
 def test_patched_mtp_embedding_is_quantized(patched, build, mtp_module, active):

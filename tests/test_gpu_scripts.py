@@ -706,7 +706,8 @@ def test_suite_runner_needs_pytest(tmp_path):
 
 def test_session_stages_exist():
     text = (GPU_SCRIPTS / "session.sh").read_text()
-    for stage, script in (("e2e", "e2e_correctness.py"), ("soak", "soak.py"), ("suite", "run_gpu_suite.sh")):
+    for stage, script in (("e2e", "e2e_correctness.py"), ("soak", "soak.py"), ("suite", "run_gpu_suite.sh"),
+                          ("embedq", "embed_quant_pp.py")):
         assert f"[{stage}]=" in text and script in text
         assert (GPU_SCRIPTS / script).exists()
     assert subprocess.run(["bash", "-n", str(SUITE)]).returncode == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -73,6 +74,46 @@ def kill_running_on_exit() -> None:
     atexit.register(kill_running)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda s, f: (kill_running(), sys.exit(128 + s)))
+
+
+def arms_main(doc: str, arms, *, timeout: float, dry_help: str, prepare, reuse, dry_run, child, parent) -> int:
+    """The command line of the scripts that run vLLM arms in children:
+    ``OUTDIR [--dry-run] [--timeout S]``; ``--child ARM`` (internal) runs one arm.
+
+    ``prepare(out)`` writes the inputs (a child reuses them: ``reuse(out)``); then
+    ``dry_run(out, inputs)``, ``child(out, inputs, arm)`` or ``parent(out, inputs, timeout)``."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("outdir", type=Path)
+    ap.add_argument("--dry-run", action="store_true", help=dry_help)
+    ap.add_argument("--timeout", type=float, default=timeout, help="seconds for the vLLM children together")
+    ap.add_argument("--child", choices=sorted(arms), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.dry_run:
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    out = args.outdir.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    inputs = reuse(out) if args.child else prepare(out)
+    if args.dry_run:
+        return dry_run(out, inputs)
+    if args.child:
+        return child(out, inputs, args.child)
+    return parent(out, inputs, args.timeout)
+
+
+def registry_entry(name: str) -> dict:
+    """The plugin registry's patch ``name``: its target, processes, and whether the target exists."""
+    import importlib
+
+    from vllm_dualgpu.patches.registry import PATCHES
+
+    p = next(p for p in PATCHES if p.name == name)
+    mod, attr = p.target.split(":")
+    owner = importlib.import_module(mod)
+    for part in attr.split("."):
+        owner = getattr(owner, part)
+    return {"target": p.target, "processes": list(p.processes), "target_exists": callable(owner)}
 
 
 def applied_names(line: str) -> list[str]:
@@ -174,3 +215,54 @@ def ballast(free_gib: list[float | None], logdir: Path):
 def grep(log: Path, pattern: str) -> list[str]:
     rx = re.compile(pattern)
     return [l for l in log.read_text(errors="replace").splitlines() if rx.search(l)]
+
+
+# --- scripts whose vLLM arms run in children (vision_pp, embed_quant_pp) ----------------------
+
+
+def run_child(script: Path, out: Path, arm: str, timeout: float, env: dict | None = None,
+              sample_memory: bool = False) -> dict:
+    """Run ``script OUT --child ARM`` in its own process group (log: OUT/ARM-llm.log) until it
+    writes OUT/ARM-child.json (:func:`write_child_result`), exits or reaches ``timeout``; then
+    kill the group. Returns what happened, the child's result and the log's plugin lines."""
+    result_file, log = out / f"{arm}-child.json", out / f"{arm}-llm.log"
+    result_file.unlink(missing_ok=True)
+    res: dict = {}
+    sampler = None
+    if sample_memory:
+        try:
+            sampler = NvmlSampler().__enter__()
+        except Exception as exc:  # memory is informational
+            res["nvml_error"] = repr(exc)
+    t0 = time.time()
+    proc = start([sys.executable, str(script), str(out), "--child", arm], log, env=env)
+    RUNNING.append(proc)
+    try:
+        while time.time() - t0 < timeout and proc.poll() is None and not result_file.exists():
+            time.sleep(0.25)
+        res["timed_out"] = not result_file.exists() and proc.poll() is None
+        res["child_rc"] = proc.poll()
+    finally:
+        kill(proc, grace=3)
+        RUNNING.remove(proc)
+        if sampler is not None:
+            sampler.__exit__(None, None, None)
+            res["peak_device_used_gib"] = [round(b / 1024**3, 3) for b in sampler.peak]
+    res["wall_s"] = round(time.time() - t0, 1)
+    res["child"] = json.loads(result_file.read_text()) if result_file.exists() else None
+    res["plugin_lines"] = grep(log, r"vllm-dualgpu \d+\.\d+\.\d+ \(")
+    res["rank_lines"] = grep(log, r"vllm-dualgpu rank \d+/\d+: ")
+    res["errors"] = grep(log, r"Traceback|Error|error:")[:20]
+    return res
+
+
+def write_child_result(out: Path, arm: str, res: dict, t0: float) -> None:
+    """A child's last act: OUT/ARM-child.json written atomically (the parent stops waiting once it
+    exists), then exit without the engine's shutdown (the parent ends the whole group)."""
+    res["total_s"] = round(time.time() - t0, 1)
+    tmp = out / f"{arm}-child.json.tmp"
+    tmp.write_text(json.dumps(res, indent=1, default=str))
+    tmp.replace(out / f"{arm}-child.json")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

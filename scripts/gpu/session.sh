@@ -35,6 +35,7 @@ declare -A CMD=(
   [mem]="python3 scripts/gpu/bench_memory.py"
   [spec]="python3 scripts/gpu/spec_decode_pp.py"
   [vision]="python3 scripts/gpu/vision_pp.py"
+  [embedq]="python3 scripts/gpu/embed_quant_pp.py"
   [e2e]="python3 scripts/gpu/e2e_correctness.py --quick"
   [e2e-full]="python3 scripts/gpu/e2e_correctness.py"
   [soak]="python3 scripts/gpu/soak.py"
@@ -43,9 +44,10 @@ declare -A CMD=(
 # e2e: 4 engine boots (~6 min); e2e-full: 6 (~9 min); suite: pytest -m gpu (e2e quick inside);
 # soak: boot + 10 min of load + drain, longer than one 10-minute command: run it detached; its
 # boot took 3.7 min beside other stages and 6.3 min alone on a fresh machine (JIT caches empty),
-# so its limit leaves 10 min for the boot.
+# so its limit leaves 10 min for the boot. embedq: three boots of the small hybrid (33-100 s each)
+# within the script's own --timeout of 260 s, plus writing the checkpoints.
 declare -A LIMIT=([smoke]=420 [smoke-hook]=580 [hook]=90 [fp8]=330 [mem]=560 [spec]=300 [vision]=240 [e2e]=540 [e2e-full]=590
-                  [soak]=1320 [suite]=590)
+                  [soak]=1320 [suite]=590 [embedq]=320)
 # Configs tuned by the fp8 stage earlier on this machine are what the plugin's lookup reads.
 if [ -d "$WORK/fp8/configs" ] && [ -z "${VLLM_DUALGPU_KERNEL_CONFIGS:-}" ]; then
   export VLLM_DUALGPU_KERNEL_CONFIGS="$WORK/fp8/configs"

@@ -49,7 +49,6 @@ get_dummy_encoder_profile_inputs); without torchvision these are skipped with th
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -59,7 +58,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from gpurun import applied_names, gdn_prefill_config, kill_running_on_exit  # noqa: E402
+from gpurun import (  # noqa: E402
+    applied_names, arms_main, gdn_prefill_config, kill_running_on_exit, registry_entry, run_child, write_child_result,
+)
 from spec_decode_pp import MODEL_CONFIG, _cpu_inspection_shim  # noqa: E402
 
 PATCH = "vision-tower-first-rank-only"
@@ -169,18 +170,6 @@ def dry_run(out: Path, model: Path) -> int:
             facts["is_dualgpu_pp"] = is_dualgpu_pp(cfg)
         return facts
 
-    def patch_entry():
-        import importlib
-
-        from vllm_dualgpu.patches.registry import PATCHES
-
-        p = next(p for p in PATCHES if p.name == PATCH)
-        mod, attr = p.target.split(":")
-        owner = importlib.import_module(mod)
-        for part in attr.split("."):
-            owner = getattr(owner, part)
-        return {"target": p.target, "processes": list(p.processes), "target_exists": callable(owner)}
-
     def processor():
         from transformers import AutoProcessor
 
@@ -203,7 +192,7 @@ def dry_run(out: Path, model: Path) -> int:
 
     res["files"] = _sub(files)
     res["engine"] = {arm: _sub(lambda a=arm: engine(a)) for arm in ARMS}
-    res["patch"] = _sub(patch_entry)
+    res["patch"] = _sub(lambda: registry_entry(PATCH))
     reason = "torchvision missing here (Qwen3VLVideoProcessor needs it; the GPU machine has it)"
     res["processor"] = _sub(processor) if has_tv else {"skipped": reason}
     res["profiling_inputs"] = _sub(profiling_inputs) if has_tv else {"skipped": reason}
@@ -272,41 +261,17 @@ def child(out: Path, model: Path, arm: str) -> int:
         res["workers"] = llm.collective_rpc(probe_worker, timeout=60)
     except Exception as exc:
         res["error"] = f"{type(exc).__name__}: {exc}"[:2000]
-    res["total_s"] = round(time.time() - t0, 1)
-    tmp = out / f"{arm}-child.json.tmp"
-    tmp.write_text(json.dumps(res, indent=1, default=str))
-    tmp.replace(out / f"{arm}-child.json")  # atomic: the parent stops waiting once it exists
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # no engine shutdown to wait for: the parent ends the whole process group
+    write_child_result(out, arm, res, t0)
+    return 0
 
 
 # --- parent: process groups, log lines, checks -------------------------------------------------
 
 def run_arm(out: Path, model: Path, arm: str, timeout: float) -> dict:
-    from gpurun import RUNNING, grep, kill, start
-
-    result_file, log = out / f"{arm}-child.json", out / f"{arm}-llm.log"
-    result_file.unlink(missing_ok=True)
     res: dict = {"engine_kwargs": {**engine_kwargs(model, arm), "model": "OUTDIR/model"},
-                 "time_limit_s": round(timeout, 1), "log": log.name}
-    t0 = time.time()
-    proc = start([sys.executable, str(Path(__file__).resolve()), str(out), "--child", arm], log,
-                 env={"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})  # collective_rpc with a function
-    RUNNING.append(proc)
-    try:
-        while time.time() - t0 < timeout and proc.poll() is None and not result_file.exists():
-            time.sleep(0.25)
-        res["timed_out"] = not result_file.exists() and proc.poll() is None
-        res["child_rc"] = proc.poll()
-    finally:
-        kill(proc, grace=3)
-        RUNNING.remove(proc)
-    res["wall_s"] = round(time.time() - t0, 1)
-    res["child"] = json.loads(result_file.read_text()) if result_file.exists() else None
-    res["plugin_lines"] = grep(log, r"vllm-dualgpu \d+\.\d+\.\d+ \(")
-    res["rank_lines"] = grep(log, r"vllm-dualgpu rank \d+/\d+: ")
-    res["errors"] = grep(log, r"Traceback|Error|error:")[:20]
+                 "time_limit_s": round(timeout, 1), "log": f"{arm}-llm.log"}
+    res.update(run_child(Path(__file__).resolve(), out, arm, timeout,
+                         env={"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}))  # collective_rpc with a function
     return res
 
 
@@ -353,22 +318,9 @@ def parent(out: Path, model: Path, timeout: float) -> int:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("outdir", type=Path)
-    ap.add_argument("--dry-run", action="store_true", help="CPU only: model files, engine configs, processor")
-    ap.add_argument("--timeout", type=float, default=200.0, help="seconds for both vLLM children together")
-    ap.add_argument("--child", choices=sorted(ARMS), help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.dry_run:
-        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    out = args.outdir.resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    model = out / "model" if args.child else write_model(out)
-    if args.dry_run:
-        return dry_run(out, model)
-    if args.child:
-        return child(out, model, args.child)
-    return parent(out, model, args.timeout)
+    return arms_main(__doc__, ARMS, timeout=200.0, dry_help="CPU only: model files, engine configs, processor",
+                     prepare=write_model, reuse=lambda out: out / "model",
+                     dry_run=dry_run, child=child, parent=parent)
 
 
 if __name__ == "__main__":
