@@ -121,6 +121,23 @@ def test_patched_model_embedding_is_quantized(patched, build, qwen3_5, active):
     assert model.embed_tokens.weight_packed.numel() * 4 == VOCAB * HIDDEN  # int8, four to a word: half a bf16 table's bytes
 
 
+def test_rank_summary_names_each_completed_embedding(patched, build, qwen3_5, mtp_module, active):
+    from vllm_dualgpu import rank_summary
+    from vllm_dualgpu.patches.vocab_embedding import SUMMARY_KEY
+
+    rank_summary.clear()
+    try:
+        build(qwen3_5.Qwen3_5Model, "model")
+        build(mtp_module.Qwen3_5MultiTokenPredictor, "mtp")
+        assert rank_summary.facts()[SUMMARY_KEY] == (
+            "model.embed_tokens CompressedTensorsEmbeddingWNA16Int, mtp.embed_tokens CompressedTensorsEmbeddingWNA16Int")
+        rank_summary.clear()
+        build(qwen3_5.Qwen3_5Model, "model", quantized=False)  # nothing completed, nothing said
+        assert SUMMARY_KEY not in rank_summary.facts()
+    finally:
+        rank_summary.clear()
+
+
 def test_patched_mtp_embedding_is_quantized(patched, build, mtp_module, active):
     mtp = build(mtp_module.Qwen3_5MultiTokenPredictor, "mtp")
     assert type(mtp.embed_tokens.quant_method).__name__ == "CompressedTensorsEmbeddingWNA16Int"

@@ -36,6 +36,7 @@ CALLERS: dict[str, str] = {
     "vllm.model_executor.models.qwen3_next_mtp": "Qwen3NextMultiTokenPredictor.__init__",
     "vllm.model_executor.models.qwen3_5_mtp": "Qwen3_5MultiTokenPredictor.__init__",
 }
+SUMMARY_KEY = "embeddings with the model's quant_config"
 # Positional parameters after self: num_embeddings, embedding_dim, params_dtype,
 # org_num_embeddings, padding_size, then quant_config and prefix.
 QUANT_CONFIG_INDEX = 5
@@ -63,6 +64,15 @@ def caller_quantization(frame) -> tuple[object, str] | None:
     return quant_config, f"{prefix}.embed_tokens" if prefix else "embed_tokens"
 
 
+def _note(prefix: str, method: str) -> None:
+    """Add the embedding to this rank's summary line ("embeddings: model.embed_tokens X, ...")."""
+    from vllm_dualgpu import rank_summary
+
+    seen = rank_summary.facts().get(SUMMARY_KEY)
+    entry = f"{prefix} {method}"
+    rank_summary.note(SUMMARY_KEY, f"{seen}, {entry}" if seen else entry)
+
+
 def wrap_vocab_parallel_embedding_init(original: Callable) -> Callable:
     @functools.wraps(original)
     def __init__(self, *args, **kwargs) -> None:
@@ -76,6 +86,9 @@ def wrap_vocab_parallel_embedding_init(original: Callable) -> Callable:
             if found is not None:
                 kwargs["quant_config"] = found[0]
                 kwargs.setdefault("prefix", found[1])
+                original(self, *args, **kwargs)
+                _note(kwargs["prefix"], type(self.quant_method).__name__)
+                return
         original(self, *args, **kwargs)
 
     return __init__
