@@ -74,6 +74,16 @@ def registry_patch(name: str):
     return next(p for p in PATCHES if p.name == name)
 
 
+def apply_registry_patch(name: str, vllm_version: str):
+    """Apply the registry's patch ``name`` (or find it applied); the caller reverts it."""
+    from vllm_dualgpu.patches.core import ALREADY, APPLIED, apply_patch
+
+    patch = registry_patch(name)
+    outcome = apply_patch(patch, vllm_version)
+    assert outcome.status in (APPLIED, ALREADY), outcome.reason
+    return patch
+
+
 
 @pytest.fixture(scope="module")
 def qwen3_5():

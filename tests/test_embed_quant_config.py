@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import registry_patch
+from conftest import apply_registry_patch, registry_patch
 from vllm_dualgpu.patches.core import ALREADY, APPLIED, apply_patch, revert_patch
 from vllm_dualgpu.process import ACTIVE_ENV
 
@@ -39,9 +39,7 @@ def embedding_quant_config():
 
 @pytest.fixture
 def patched(vllm_version):
-    patch = registry_patch(NAME)
-    outcome = apply_patch(patch, vllm_version)
-    assert outcome.status in (APPLIED, ALREADY), outcome.reason
+    patch = apply_registry_patch(NAME, vllm_version)
     yield patch
     revert_patch(patch)
 

@@ -15,8 +15,8 @@ import logging
 import pytest
 import torch
 
-from conftest import registry_patch
-from vllm_dualgpu.patches.core import ALREADY, APPLIED, apply_patch, revert_patch
+from conftest import apply_registry_patch
+from vllm_dualgpu.patches.core import apply_patch, revert_patch
 
 NAME = "hybrid-block-size-every-stage"
 
@@ -46,9 +46,7 @@ def make_config(qwen3_5_hybrid_config):
 
 @pytest.fixture
 def patched(vllm_version):
-    patch = registry_patch(NAME)
-    outcome = apply_patch(patch, vllm_version)
-    assert outcome.status in (APPLIED, ALREADY), outcome.reason
+    patch = apply_registry_patch(NAME, vllm_version)
     yield patch
     revert_patch(patch)
 

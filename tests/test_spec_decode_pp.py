@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import registry_patch
+from conftest import apply_registry_patch, registry_patch
 from vllm_dualgpu.patches.core import ALREADY, APPLIED, SENTINEL, Patch, apply_patch, revert_patch
 from vllm_dualgpu.process import ACTIVE_ENV
 
@@ -31,11 +31,8 @@ def applied(vllm_version):
     done: list[Patch] = []
 
     def _apply(name: str) -> Patch:
-        patch = registry_patch(name)
-        outcome = apply_patch(patch, vllm_version)
-        assert outcome.status in (APPLIED, ALREADY), outcome.reason
-        done.append(patch)
-        return patch
+        done.append(apply_registry_patch(name, vllm_version))
+        return done[-1]
 
     yield _apply
     for patch in done:
