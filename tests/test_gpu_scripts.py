@@ -441,6 +441,15 @@ def test_soak_rates_and_summary():
     assert soak.percentile([], 0.5) is None and soak.percentile([4.0], 0.9) == 4.0
 
 
+def test_soak_records_its_command_without_machine_paths():
+    rest = ["--port", "8017", "--pipeline-parallel-size", "2"]
+    cli = ["/opt/site/bin/vllm"]
+    assert soak.shown_command(cli, [*cli, "serve", "/tmp/x/model", *rest]) == "vllm serve MODEL " + " ".join(rest)
+    cli = ["/usr/bin/python3", "-m", "vllm.entrypoints.cli.main"]
+    assert soak.shown_command(cli, [*cli, "serve", "/tmp/x/model", *rest]) == (
+        "python -m vllm.entrypoints.cli.main serve MODEL " + " ".join(rest))
+
+
 def test_soak_drain_window_stays_out_of_the_rates():
     """The fourth session's soak: a last 4.9-s window (the drain) at half the rate was the run's
     "min"; it is flagged and left out of the statistics."""

@@ -354,6 +354,12 @@ def prefix_hit_rate(samples: list[dict]) -> float | None:
     return round(hits / queries, 4)
 
 
+def shown_command(cli: list[str], cmd: list[str]) -> str:
+    """The server command as the JSON records it: no machine paths (CLI, model folder)."""
+    head = "vllm" if len(cli) == 1 else "python -m vllm.entrypoints.cli.main"
+    return " ".join([head, "serve", "MODEL", *cmd[len(cli) + 2:]])
+
+
 def plot(samples: list[dict], path: Path, title: str = "vllm-dualgpu soak") -> str:
     """tokens/s per window to a PNG; returns which backend drew it."""
     win = rates(samples)
@@ -530,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
                                "request_timeout_s": args.request_timeout, "sample_s": args.sample_s,
                                "ballast_free_gib": None if shared else FREE_GIB,
                                "shared_gpus": shared, "mtp": mtp, "mtp_why": mtp_why,
-                               "command": " ".join(cmd[:2] + ["MODEL"] + cmd[3:])}}
+                               "command": shown_command(cli, cmd)}}
     stats = Stats()
     samples: list[dict] = []
     live: dict = {}  # the running sampler, for a report written on a signal
