@@ -165,3 +165,49 @@ def gpu_script_dry_run(name: str, out: Path, timeout: float) -> Path:
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out
+
+
+# --- stand-in children for the GPU scripts' parents (no vLLM) ---------------------------------
+
+STAND_IN_CHILD = r"""
+import json, os, subprocess, sys, time
+from pathlib import Path
+out, arm = Path(sys.argv[1]), (sys.argv[3] if len(sys.argv) > 3 else "mtp")
+payload = json.loads(Path(os.environ["FAKE_PAYLOAD"]).read_text())[arm]
+if payload.get("hang"):
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    (out / "grandchild.pid").write_text(str(child.pid))
+    time.sleep(600)
+for line in payload["log"]:
+    print(line, flush=True)
+(out / payload.get("file", f"{arm}-child.json")).write_text(json.dumps(payload["result"]))
+"""
+
+
+def use_stand_in_children(monkeypatch, script: Path, payload_file: Path, expected_env: dict | None = None) -> None:
+    """``gpurun.start`` runs STAND_IN_CHILD, with the argv of ``script``'s real child, instead of
+    vLLM. Per arm, PAYLOAD_FILE holds the lines it prints ("log"), what it writes ("result", to
+    "file", default ARM-child.json), or "hang": it sleeps with a grandchild (grandchild.pid)."""
+    import sys
+
+    monkeypatch.syspath_prepend(str(script.parent))
+    import gpurun
+
+    real_start = gpurun.start
+
+    def start(cmd, log, env=None):
+        assert cmd[1] == str(script) and cmd[3] == "--child"
+        assert expected_env is None or env == expected_env
+        return real_start([sys.executable, "-c", STAND_IN_CHILD, *cmd[2:]], log,
+                          env={**(env or {}), "FAKE_PAYLOAD": str(payload_file)})
+
+    monkeypatch.setattr(gpurun, "start", start)
+
+
+def process_gone(pid: int) -> bool:
+    """The process is gone, or a zombie nobody has reaped yet."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return True
+    return state == "Z"

@@ -7,13 +7,12 @@ module, so nothing leaks into the other tests."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import GPU_SCRIPTS, gpu_script_dry_run, load_gpu_script
+from conftest import GPU_SCRIPTS, gpu_script_dry_run, load_gpu_script, process_gone, use_stand_in_children
 
 SCRIPT = GPU_SCRIPTS / "embed_quant_pp.py"
 
@@ -196,21 +195,6 @@ def test_token_comparison_reports_the_gap_where_tokens_part(script):
 # --- the parent: arms, time limits, process groups (stand-in children, no vLLM) ---------------------
 
 
-FAKE_CHILD = r"""
-import json, os, subprocess, sys, time
-from pathlib import Path
-out, arm = Path(sys.argv[1]), sys.argv[3]
-payload = json.loads(Path(os.environ["FAKE_PAYLOAD"]).read_text())[arm]
-if payload.get("hang"):
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    (out / "grandchild.pid").write_text(str(child.pid))
-    time.sleep(600)
-for line in payload["log"]:
-    print(line, flush=True)
-(out / f"{arm}-child.json").write_text(json.dumps(payload["result"]))
-"""
-
-
 @pytest.fixture
 def no_process_hooks(script, monkeypatch):
     """parent() installs exit and signal handlers; keep them out of the pytest process."""
@@ -220,22 +204,14 @@ def no_process_hooks(script, monkeypatch):
 
 @pytest.fixture
 def fake_children(script, tmp_path, monkeypatch, no_process_hooks):
-    """run_arm starts FAKE_CHILD (same argv as the real child) instead of vLLM; no NVML."""
-    monkeypatch.syspath_prepend(str(SCRIPT.parent))
-    import gpurun
-
-    real_start = gpurun.start
+    """run_arm starts a stand-in child (same argv as the real child) instead of vLLM; no NVML."""
     payload_file = tmp_path / "payload.json"
-
-    def start(cmd, log, env=None):
-        assert cmd[1] == str(SCRIPT) and cmd[3] == "--child" and env == script.CHILD_ENV
-        return real_start([sys.executable, "-c", FAKE_CHILD, *cmd[2:]], log,
-                          env={**(env or {}), "FAKE_PAYLOAD": str(payload_file)})
+    use_stand_in_children(monkeypatch, SCRIPT, payload_file, expected_env=script.CHILD_ENV)
+    import gpurun
 
     def no_nvml():
         raise RuntimeError("no NVML here")
 
-    monkeypatch.setattr(gpurun, "start", start)
     monkeypatch.setattr(gpurun, "NvmlSampler", no_nvml)
 
     def set_payload(arms: dict):
@@ -279,12 +255,7 @@ def test_arm_time_limit_kills_the_process_group(script, fake_children, tmp_path)
     fake_children(arms)
     result = script.run_arm(tmp_path, dirs(tmp_path), "stock-quantized", 3)
     assert result["timed_out"] and result["child"] is None and result["time_limit_s"] == 3
-    grandchild = int((tmp_path / "grandchild.pid").read_text())
-    try:  # gone, or a zombie nobody has reaped yet
-        state = Path(f"/proc/{grandchild}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        state = "gone"
-    assert state in ("gone", "Z")
+    assert process_gone(int((tmp_path / "grandchild.pid").read_text()))
 
 
 def test_later_arms_keep_their_minimum(script, monkeypatch, tmp_path, no_process_hooks):

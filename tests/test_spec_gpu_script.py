@@ -9,11 +9,10 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from conftest import GPU_SCRIPTS, gpu_script_dry_run, load_gpu_script
+from conftest import GPU_SCRIPTS, gpu_script_dry_run, load_gpu_script, process_gone, use_stand_in_children
 
 SCRIPT = GPU_SCRIPTS / "spec_decode_pp.py"
 
@@ -303,21 +302,6 @@ def test_acceptance_from_vllm_metric_names(script):
 # --- the parent: arms, time limits, process groups (stand-in children, no vLLM) ---------------------
 
 
-FAKE_CHILD = r"""
-import json, os, subprocess, sys, time
-from pathlib import Path
-out, arm = Path(sys.argv[1]), (sys.argv[3] if len(sys.argv) > 3 else "mtp")
-payload = json.loads(Path(os.environ["FAKE_PAYLOAD"]).read_text())[arm]
-if payload.get("hang"):
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    (out / "grandchild.pid").write_text(str(child.pid))
-    time.sleep(600)
-for line in payload["log"]:
-    print(line, flush=True)
-(out / payload["file"]).write_text(json.dumps(payload["result"]))
-"""
-
-
 @pytest.fixture
 def no_process_hooks(script, monkeypatch):
     """parent() installs exit and signal handlers; keep them out of the pytest process."""
@@ -334,19 +318,9 @@ class NoNvml:
 
 @pytest.fixture
 def fake_children(script, tmp_path, monkeypatch, no_process_hooks):
-    """run_arm starts FAKE_CHILD (same argv as the real child) instead of vLLM."""
-    monkeypatch.syspath_prepend(str(SCRIPT.parent))
-    import gpurun
-
-    real_start = gpurun.start
+    """run_arm starts a stand-in child (same argv as the real child) instead of vLLM."""
     payload_file = tmp_path / "payload.json"
-
-    def start(cmd, log, env=None):
-        assert cmd[1] == str(SCRIPT) and cmd[3] == "--child"
-        return real_start([sys.executable, "-c", FAKE_CHILD, *cmd[2:]], log,
-                          env={**(env or {}), "FAKE_PAYLOAD": str(payload_file)})
-
-    monkeypatch.setattr(gpurun, "start", start)
+    use_stand_in_children(monkeypatch, SCRIPT, payload_file)
     monkeypatch.setattr(script, "ProcessMemory", NoNvml)
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: type("R", (), {"stdout": ""})())  # nvidia-smi
 
@@ -410,12 +384,7 @@ def test_arm_time_limit_kills_the_process_group(script, fake_children, tmp_path,
     fake_children(payload)
     result = script.run_arm(tmp_path, script.write_model(tmp_path), "stock-eagle3", 3)
     assert result["timed_out"] and not result["ok"] and result["time_limit_s"] == 3
-    grandchild = int((tmp_path / "grandchild.pid").read_text())
-    try:  # gone, or a zombie nobody has reaped yet
-        state = Path(f"/proc/{grandchild}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        state = "gone"
-    assert state in ("gone", "Z")
+    assert process_gone(int((tmp_path / "grandchild.pid").read_text()))
 
 
 def test_later_arms_keep_their_minimum(script, monkeypatch, tmp_path, no_process_hooks):
