@@ -19,6 +19,12 @@ def note(key: str, text: str) -> None:
         _facts[key] = text
 
 
+def add(key: str, item: str) -> None:
+    """Append ``item`` to a fact that lists several ("a, b, c")."""
+    with _lock:
+        _facts[key] = f"{_facts[key]}, {item}" if _facts.get(key) else item
+
+
 def facts() -> dict[str, str]:
     with _lock:
         return dict(_facts)

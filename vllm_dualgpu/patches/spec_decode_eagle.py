@@ -53,14 +53,12 @@ def wrap_maybe_share_target_embed(original: Callable) -> Callable:
     def maybe_share_target_embed(draft_model, draft_inner, target_inner) -> None:
         from vllm.distributed.parallel_state import get_pp_group
 
-        if dualgpu_active() and keeps_own_beside_packed_target(draft_model, draft_inner, target_inner):
+        if not dualgpu_active():
+            return original(draft_model, draft_inner, target_inner)
+        if keeps_own_beside_packed_target(draft_model, draft_inner, target_inner):
             return None
         # Only the case vLLM skips: PP > 1 and a drafter that declares nothing.
-        if (
-            not dualgpu_active()
-            or hasattr(draft_model, "has_own_embed_tokens")
-            or get_pp_group().world_size <= 1
-        ):
+        if hasattr(draft_model, "has_own_embed_tokens") or get_pp_group().world_size <= 1:
             return original(draft_model, draft_inner, target_inner)
         target_embed = target_embedding(target_inner)
         if target_embed is None:

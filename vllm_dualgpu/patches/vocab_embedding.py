@@ -26,6 +26,7 @@ import functools
 import sys
 from collections.abc import Callable
 
+from vllm_dualgpu import rank_summary
 from vllm_dualgpu.patches.spec_common import dualgpu_active
 
 # Module of the caller -> qualified name of the method that builds embed_tokens without
@@ -64,18 +65,10 @@ def caller_quantization(frame) -> tuple[object, str] | None:
     return quant_config, f"{prefix}.embed_tokens" if prefix else "embed_tokens"
 
 
-def _note(prefix: str, method: str) -> None:
-    """Add the embedding to this rank's summary line ("embeddings: model.embed_tokens X, ...")."""
-    from vllm_dualgpu import rank_summary
-
-    seen = rank_summary.facts().get(SUMMARY_KEY)
-    entry = f"{prefix} {method}"
-    rank_summary.note(SUMMARY_KEY, f"{seen}, {entry}" if seen else entry)
-
-
 def wrap_vocab_parallel_embedding_init(original: Callable) -> Callable:
     @functools.wraps(original)
     def __init__(self, *args, **kwargs) -> None:
+        found = None
         if (
             len(args) <= QUANT_CONFIG_INDEX  # neither quant_config nor prefix given by position
             and "quant_config" not in kwargs
@@ -83,12 +76,11 @@ def wrap_vocab_parallel_embedding_init(original: Callable) -> Callable:
             and dualgpu_active()
         ):
             found = caller_quantization(sys._getframe(1))
-            if found is not None:
-                kwargs["quant_config"] = found[0]
-                kwargs.setdefault("prefix", found[1])
-                original(self, *args, **kwargs)
-                _note(kwargs["prefix"], type(self.quant_method).__name__)
-                return
+        if found is not None:
+            kwargs["quant_config"] = found[0]
+            kwargs.setdefault("prefix", found[1])
         original(self, *args, **kwargs)
+        if found is not None:  # this rank's summary line names each completed embedding
+            rank_summary.add(SUMMARY_KEY, f"{kwargs['prefix']} {type(self.quant_method).__name__}")
 
     return __init__
