@@ -73,7 +73,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from gpurun import (  # noqa: E402
-    applied_names, arms_main, gdn_prefill_config, kill_running_on_exit, registry_entry, run_child, write_child_result,
+    applied_names, arms_main, attempt, gdn_prefill_config, kill_running_on_exit, registry_entry, run_child,
+    workers_by_rank, write_child_result,
 )
 from spec_decode_pp import NUM_SPEC, _cpu_inspection_shim  # noqa: E402
 
@@ -223,13 +224,6 @@ def engine_kwargs(model: Path, arm: str) -> dict:
 # --- dry run (CPU) -----------------------------------------------------------------------------
 
 
-def _sub(fn) -> dict:
-    try:
-        return fn()
-    except Exception as exc:
-        return {"error": f"{type(exc).__name__}: {exc}"[:1500]}
-
-
 def kernel_rows(packed, scale, ids):
     """vLLM's ``_dequant_gather_kernel`` source, run by Triton's interpreter on the CPU (vLLM
     itself disables Triton without a GPU driver), for the rows ``ids``."""
@@ -340,10 +334,10 @@ def dry_run(out: Path, dirs: dict[str, Path]) -> int:
             facts["preflight_warnings"] = preflight.check(cfg, 2)  # raises if refused
         return facts
 
-    res["packing"] = _sub(packing)
-    res["quant_config"] = _sub(quant_config)
-    res["engine"] = {arm: _sub(lambda a=arm: engine(a)) for arm in ARMS}
-    res["patch"] = _sub(lambda: registry_entry(PATCH))
+    res["packing"] = attempt(packing)
+    res["quant_config"] = attempt(quant_config)
+    res["engine"] = {arm: attempt(lambda a=arm: engine(a)) for arm in ARMS}
+    res["patch"] = attempt(lambda: registry_entry(PATCH))
     p, qc, e = res["packing"], res["quant_config"], res["engine"]
     methods = qc.get("methods", {})
     checks = {
@@ -445,10 +439,6 @@ def run_arm(out: Path, dirs: dict[str, Path], arm: str, timeout: float) -> dict:
     res.update(run_child(Path(__file__).resolve(), out, arm, timeout, env=CHILD_ENV, sample_memory=True))
     res["refusal_lines"] = [line[-400:] for line in grep(out / res["log"], STOCK_REFUSAL)][:8]
     return res
-
-
-def workers_by_rank(res: dict) -> dict[int, dict]:
-    return {w["pp_rank"]: w for w in (res.get("child") or {}).get("workers") or []}
 
 
 def generated(res: dict) -> bool:

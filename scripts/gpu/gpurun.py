@@ -256,6 +256,19 @@ def run_child(script: Path, out: Path, arm: str, timeout: float, env: dict | Non
     return res
 
 
+def workers_by_rank(res: dict) -> dict[int, dict]:
+    """The child's per-worker probe results (``collective_rpc``), by PP rank."""
+    return {w["pp_rank"]: w for w in (res.get("child") or {}).get("workers") or []}
+
+
+def attempt(fn) -> dict:
+    """``fn()``, or {"error": ...} when it raises: a dry run reports every step it could not take."""
+    try:
+        return fn()
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"[:1500]}
+
+
 def write_child_result(out: Path, arm: str, res: dict, t0: float) -> None:
     """A child's last act: OUT/ARM-child.json written atomically (the parent stops waiting once it
     exists), then exit without the engine's shutdown (the parent ends the whole group)."""

@@ -59,7 +59,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from gpurun import (  # noqa: E402
-    applied_names, arms_main, gdn_prefill_config, kill_running_on_exit, registry_entry, run_child, write_child_result,
+    applied_names, arms_main, attempt, gdn_prefill_config, kill_running_on_exit, registry_entry, run_child,
+    workers_by_rank, write_child_result,
 )
 from spec_decode_pp import MODEL_CONFIG, _cpu_inspection_shim  # noqa: E402
 
@@ -125,13 +126,6 @@ def prompts() -> list[list[int]]:
 # --- dry run (CPU) -----------------------------------------------------------------------------
 
 
-def _sub(fn) -> dict:
-    try:
-        return fn()
-    except Exception as exc:
-        return {"error": f"{type(exc).__name__}: {exc}"[:1500]}
-
-
 def dry_run(out: Path, model: Path) -> int:
     import importlib.util
 
@@ -190,12 +184,12 @@ def dry_run(out: Path, model: Path) -> int:
                 "encoder_budget": budget.get_encoder_budget(), "items": len(items),
                 "modality": items[0][0] if items else None, "image_grid_thw": grid.tolist() if grid is not None else None}
 
-    res["files"] = _sub(files)
-    res["engine"] = {arm: _sub(lambda a=arm: engine(a)) for arm in ARMS}
-    res["patch"] = _sub(lambda: registry_entry(PATCH))
+    res["files"] = attempt(files)
+    res["engine"] = {arm: attempt(lambda a=arm: engine(a)) for arm in ARMS}
+    res["patch"] = attempt(lambda: registry_entry(PATCH))
     reason = "torchvision missing here (Qwen3VLVideoProcessor needs it; the GPU machine has it)"
-    res["processor"] = _sub(processor) if has_tv else {"skipped": reason}
-    res["profiling_inputs"] = _sub(profiling_inputs) if has_tv else {"skipped": reason}
+    res["processor"] = attempt(processor) if has_tv else {"skipped": reason}
+    res["profiling_inputs"] = attempt(profiling_inputs) if has_tv else {"skipped": reason}
     d, s = res["engine"]["dualgpu"], res["engine"]["stock"]
     checks = {
         "model files load, vision token ids in vocab": res["files"].get("ids_match_config") is True
@@ -273,10 +267,6 @@ def run_arm(out: Path, model: Path, arm: str, timeout: float) -> dict:
     res.update(run_child(Path(__file__).resolve(), out, arm, timeout,
                          env={"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}))  # collective_rpc with a function
     return res
-
-
-def workers_by_rank(res: dict) -> dict[int, dict]:
-    return {w["pp_rank"]: w for w in (res.get("child") or {}).get("workers") or []}
 
 
 def checks(res: dict) -> dict:
