@@ -288,6 +288,11 @@ def e2e_dtype() -> str:
     return d
 
 
+def left_out() -> dict[str, str]:
+    """Models this dtype cannot run, with the reason (none in bfloat16)."""
+    return FP32_LEFT_OUT if e2e_dtype() == "float32" else {}
+
+
 @dataclass
 class Run:
     name: str
@@ -315,17 +320,15 @@ def plan_runs(quick: bool) -> list[list[list[Run]]]:
               [[Run("hybrid-mtp-pp2", "hybrid", 2, mtp=True)]]]
     if not quick:
         phases.append([[Run("hybrid-mtp-pp2-nocache", "hybrid", 2, mtp=True, prefix_caching=False)]])
-    if e2e_dtype() == "float32":  # without the models FP32_LEFT_OUT names
-        phases = [[lane for lane in ([r for r in lane if r.model not in FP32_LEFT_OUT] for lane in ph) if lane]
-                  for ph in phases]
-        phases = [ph for ph in phases if ph]
-    return phases
+    skip = left_out()
+    phases = [[lane for lane in ([r for r in lane if r.model not in skip] for lane in ph) if lane] for ph in phases]
+    return [ph for ph in phases if ph]
 
 
 def planned_comparisons(quick: bool) -> list[tuple[str, str, str, str, str]]:
     """(name, run_a, pass_a, run_b, pass_b) of every comparison the mode makes."""
     out = []
-    models = ("dense",) if e2e_dtype() == "float32" else ("dense", "hybrid-mtp")  # FP32_LEFT_OUT
+    models = [m for m in ("dense", "hybrid-mtp") if m.split("-")[0] not in left_out()]
     for model in models:
         for p in PASSES:
             out.append((f"{model} 1gpu-vs-pp2 {p}", f"{model}-1gpu", p, f"{model}-pp2", p))
@@ -502,9 +505,8 @@ def orchestrate(args: argparse.Namespace) -> int:
     t0 = time.time()
     dtype = e2e_dtype()
     phases = plan_runs(args.quick)
-    left_out = FP32_LEFT_OUT if dtype == "float32" else {}
-    for model, why in left_out.items():
-        print(f"E2E_DTYPE=float32: the {model} model is left out: {why}", flush=True)
+    for model, why in left_out().items():
+        print(f"E2E_DTYPE={dtype}: the {model} model is left out: {why}", flush=True)
     prompts = build_prompts(seed=0)
     models = make_models(out, {r.model for ph in phases for lane in ph for r in lane})
     if "hybrid" in models:
@@ -534,7 +536,7 @@ def orchestrate(args: argparse.Namespace) -> int:
     comparisons = make_comparisons(out, runs, prompts, args.quick, args.strict, args.tie_tol)
     ok = all(r.get("ok") for r in runs.values()) and all(c["ok"] for c in comparisons)
     report = {"ok": ok, "quick": args.quick, "strict": args.strict, "tie_tol": args.tie_tol,
-              "dtype": dtype, "left_out": left_out,
+              "dtype": dtype, "left_out": left_out(),
               "wall_s": round(time.time() - t0, 1), "ballast_free_gib": FREE_GIB,
               "prompts": {"count": len(prompts["prompts"]),
                           "lengths": [len(p) for p in prompts["prompts"]],

@@ -5,8 +5,8 @@
                                       [--request-timeout 120] [--sample-s 30] [--no-mtp]
 
 On the GPU machine after staging: ``OUT=DIR bash scripts/gpu/session.sh soak`` (stage limit
-1,320 s: a boot of up to 10 min on a fresh machine + 10 min load + drain). The run takes longer than one 10-minute command, so
-start it detached and collect it later, e.g.
+1,320 s: a boot of up to 10 min on a fresh machine + 10 min load + drain). The run takes longer
+than one 10-minute command, so start it detached and collect it later, e.g.
 ``setsid nohup env OUT=DIR bash scripts/gpu/session.sh soak > DIR/soak-session.log 2>&1 &``
 then poll for ``DIR/soak.json``. Needs both GPUs free.
 
