@@ -74,6 +74,25 @@ def registry_patch(name: str):
     return next(p for p in PATCHES if p.name == name)
 
 
+@pytest.fixture
+def pp_stage(monkeypatch):
+    """pp_stage(rank, world_size): the pipeline group this process sees (tensor parallel 1)."""
+    from types import SimpleNamespace
+
+    from vllm.distributed import parallel_state
+
+    monkeypatch.setattr(parallel_state, "_TP", SimpleNamespace(world_size=1, rank_in_group=0))
+
+    def _set(rank: int, world: int):
+        group = SimpleNamespace(
+            world_size=world, rank_in_group=rank, is_first_rank=rank == 0, is_last_rank=rank == world - 1
+        )
+        monkeypatch.setattr(parallel_state, "_PP", group)
+        return group
+
+    return _set
+
+
 def apply_registry_patch(name: str, vllm_version: str):
     """Apply the registry's patch ``name`` (or find it applied); the caller reverts it."""
     from vllm_dualgpu.patches.core import ALREADY, APPLIED, apply_patch

@@ -45,13 +45,11 @@ def patched(vllm_version):
 
 
 @pytest.fixture
-def later_stage(monkeypatch):
+def later_stage(pp_stage, monkeypatch):
     """This process is the last of two PP stages and holds no decoder layer."""
-    from vllm.distributed import parallel_state, utils
+    from vllm.distributed import utils
 
-    monkeypatch.setattr(parallel_state, "_TP", SimpleNamespace(world_size=1, rank_in_group=0))
-    monkeypatch.setattr(parallel_state, "_PP", SimpleNamespace(
-        world_size=2, rank_in_group=1, is_first_rank=False, is_last_rank=True))
+    pp_stage(1, 2)
     monkeypatch.setattr(utils, "get_pp_indices", lambda n, rank, size: (n, n))
 
 

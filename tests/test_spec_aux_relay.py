@@ -60,20 +60,8 @@ def active(monkeypatch):
 
 
 @pytest.fixture
-def stage(monkeypatch):
-    """Set the PP group this process sees: stage(rank, world_size)."""
-    from vllm.distributed import parallel_state
-
-    monkeypatch.setattr(parallel_state, "_TP", SimpleNamespace(world_size=1))
-
-    def _set(rank: int, world: int):
-        group = SimpleNamespace(
-            world_size=world, rank_in_group=rank, is_first_rank=rank == 0, is_last_rank=rank == world - 1
-        )
-        monkeypatch.setattr(parallel_state, "_PP", group)
-        return group
-
-    return _set
+def stage(pp_stage):
+    return pp_stage
 
 
 class StubLayer(nn.Module):

@@ -193,13 +193,9 @@ class FakeDraft(nn.Module):
 
 
 @pytest.fixture
-def pp_group(monkeypatch):
+def pp_group(pp_stage):
     """A two-stage PP group seen from the last rank (the drafter lives there)."""
-    from vllm.distributed import parallel_state
-
-    group = types.SimpleNamespace(world_size=2, rank_in_group=1, is_first_rank=False, is_last_rank=True)
-    monkeypatch.setattr(parallel_state, "_PP", group)
-    return group
+    return pp_stage(1, 2)
 
 
 def test_drafter_shares_target_embedding_under_pp(applied, active, pp_group):
