@@ -98,6 +98,15 @@ def test_hybrid_preset_is_a_qwen35_gdn_model_with_mtp():
     assert not make_model.is_hybrid(make_model.PRESETS["small-dense"]())
 
 
+def test_attn_mtp_preset_is_the_hybrid_with_attention_everywhere():
+    """float32's stand-in for the hybrid differs from it only in the layer kinds."""
+    hybrid, attn = make_model.PRESETS["small-hybrid"](), make_model.PRESETS["small-attn-mtp"]()
+    assert set(attn["layer_types"]) == {"full_attention"} and not make_model.is_hybrid(attn)
+    assert len(attn["layer_types"]) == attn["num_hidden_layers"] == hybrid["num_hidden_layers"]
+    assert {k: v for k, v in attn.items() if k != "layer_types"} == \
+        {k: v for k, v in hybrid.items() if k != "layer_types"}
+
+
 def test_mtp_tensors_named_and_shaped_like_qwen35():
     torch = pytest.importorskip("torch")
     cfg = make_model.PRESETS["small-hybrid"]()
@@ -119,12 +128,13 @@ def test_mtp_tensors_named_and_shaped_like_qwen35():
     assert not torch.equal(t["mtp.fc.weight"], other["mtp.fc.weight"])
 
 
-def test_hybrid_random_weights_include_mtp(tmp_path):
+@pytest.mark.parametrize("preset", ["small-hybrid", "small-attn-mtp"])
+def test_qwen35_random_weights_include_mtp(tmp_path, preset):
     pytest.importorskip("transformers", reason="transformers is not installed")
     pytest.importorskip("safetensors", reason="safetensors is not installed")
     out = tmp_path / "hy"
     out.mkdir()
-    cfg = make_model.PRESETS["small-hybrid"]()
+    cfg = make_model.PRESETS[preset]()
     cfg.update(num_hidden_layers=4, layer_types=cfg["layer_types"][:4], hidden_size=128,
                intermediate_size=256, vocab_size=512)
     make_model.write_random_weights(out, cfg, seed=0)
@@ -132,7 +142,9 @@ def test_hybrid_random_weights_include_mtp(tmp_path):
     main_names = set().union(*(make_model._safetensors_names(f) for f in out.glob("*.safetensors")
                                if f.name != "model-mtp.safetensors"))
     mtp_names = set(make_model._safetensors_names(out / "model-mtp.safetensors"))
-    assert "model.layers.0.linear_attn.in_proj_qkv.weight" in main_names
+    gdn = "model.layers.0.linear_attn.in_proj_qkv.weight"
+    assert (gdn in main_names) == make_model.is_hybrid(cfg)
+    assert ("model.layers.0.self_attn.q_proj.weight" in main_names) != make_model.is_hybrid(cfg)
     assert not any(n.startswith("mtp.") for n in main_names)
     layer = {n.split("model.layers.3.", 1)[1] for n in main_names if n.startswith("model.layers.3.")}
     assert {n.split("mtp.layers.0.", 1)[1] for n in mtp_names if n.startswith("mtp.layers.0.")} == layer
@@ -336,19 +348,27 @@ def test_make_comparisons_rejects_vacuous_passes(tmp_path):
 
 def test_e2e_float32_engine_configs(tmp_path, monkeypatch):
     """Every planned float32 run gets a float32 vLLM config with Triton attention (the dry run
-    builds the real configs); the hybrid, which has no float32 GDN prefill kernel, is left out."""
+    builds the real configs); the hybrid, which has no float32 GDN prefill kernel, is left out
+    and its all-attention twin runs MTP in its place, drafter in float32 too."""
     monkeypatch.setenv("E2E_DTYPE", "float32")
     result = json.loads((gpu_script_dry_run("e2e_correctness", tmp_path, timeout=180)
                          / "e2e_dry_run.json").read_text())
     planned = [r for phase in e2e.plan_runs(quick=False) for lane in phase for r in lane]
     assert result["dtype"] == "float32" and set(result["runs"]) == {r.name for r in planned}
-    assert {r.name for r in planned} == {"dense-1gpu", "dense-pp2"}  # stock and plugin
+    assert {r.name for r in planned} == {"dense-1gpu", "dense-pp2", "attn-1gpu", "attn-mtp-1gpu",
+                                         "attn-mtp-pp2", "attn-mtp-pp2-nocache"}
+    assert {r.model for r in planned if r.mtp} == {"attn"}
+    assert {n: r["draft_dtype"] for n, r in result["runs"].items() if r["draft_dtype"]} == \
+        dict.fromkeys(("attn-mtp-1gpu", "attn-mtp-pp2", "attn-mtp-pp2-nocache"), "float32")
+    assert result["runs"]["attn-mtp-pp2-nocache"]["enable_prefix_caching"] is False
     for name, run in result["runs"].items():
         assert run["dtype"] == "float32" and run["attention_backend"] == "TRITON_ATTN", (name, run)
     assert result["runs"]["dense-pp2"]["pipeline_parallel_size"] == 2
     assert result["runs"]["dense-pp2"]["executor"] == "DualGpuExecutor"
     assert result["runs"]["dense-1gpu"]["pipeline_parallel_size"] == 1
     assert not any("hybrid" in c[0] for q in (True, False) for c in e2e.planned_comparisons(q))
+    names = {c[0] for c in e2e.planned_comparisons(quick=False)}
+    assert {"attn-mtp 1gpu-vs-pp2 prefix-hits", "attn-mtp-pp2 full-hits-vs-cache-off"} <= names
     assert all(e2e.run_env(r, tmp_path)["TRITON_F32_DEFAULT"] == "ieee" for r in planned)
 
 

@@ -11,7 +11,8 @@ full: about 9 minutes (6 boots). Needs both GPUs free.
 Models, made here with seeded random weights (``make_model.py --weights random --seed 0``):
 
 - ``small-dense``: Qwen3, 8 layers.
-- ``small-hybrid``: Qwen3.5-style, Gated DeltaNet + full attention, with one MTP layer.
+- ``small-hybrid``: Qwen3.5-style, Gated DeltaNet + full attention, with one MTP layer;
+- ``small-attn-mtp`` (float32 only, in the hybrid's place): the same with every layer full attention.
 
 Runs (each its own engine, in its own process group, ``enforce_eager``, bf16 (see E2E_DTYPE),
 max_model_len 4096, the same scheduler limits everywhere):
@@ -58,8 +59,11 @@ with other work, e.g. a soak); the default leaves vLLM's 0.9.
 E2E_DTYPE=float32 (default bfloat16) runs every engine in float32, to show literal token-for-token
 identity: bf16 logits near 4 are 0.03 apart, so random-weight models tie often; float32's are
 ~5e-7 apart. Every comparison is then strict (a near tie fails; gaps are still reported), every
-engine gets ``attention_backend="TRITON_ATTN"`` and ``TRITON_F32_DEFAULT=ieee``, and only the
-dense model runs: vLLM 0.30 has no float32 GDN prefill kernel (see the FLOAT32_NOTES comment).
+engine gets ``attention_backend="TRITON_ATTN"`` and ``TRITON_F32_DEFAULT=ieee``, and the hybrid
+is left out: vLLM 0.30 has no float32 GDN prefill kernel (see the FLOAT32_NOTES comment). Its MTP
+runs use ``small-attn-mtp`` instead (run names ``attn-mtp-*``): the same Qwen3.5 model class,
+full-attention layer and MTP drafter with every layer full attention, so MTP and prefix hits with
+speculative decoding are still compared, strictly.
 The weights stay bf16 on disk: vLLM upcasts them exactly when loading. The JSON records ``dtype``.
 
 ``--dry-run`` (no GPU; sets VLLM_TARGET_DEVICE=cpu): builds each planned run's vLLM engine config
@@ -93,10 +97,12 @@ TIE_TOL = 0.1  # nats; logits near 4 are 0.03 apart in bf16
 MTP = {"method": "mtp", "num_speculative_tokens": 2}
 PASSES = ("no-hits", "prefix-hits", "full-hits")
 HIT_PASSES = ("prefix-hits", "full-hits")
-PRESETS = {"dense": "small-dense", "hybrid": "small-hybrid"}
+PRESETS = {"dense": "small-dense", "hybrid": "small-hybrid", "attn": "small-attn-mtp"}
 DTYPES = ("bfloat16", "float32")  # E2E_DTYPE values, the default first
 FP32_LEFT_OUT = {"hybrid": "vLLM 0.30 has no float32 GDN prefill kernel (FLA's chunk_gated_delta_rule "
-                           "asserts q.dtype != float32; FlashInfer's SM90 kernel takes fp16/bf16 only)"}
+                           "asserts q.dtype != float32; FlashInfer's SM90 kernel takes fp16/bf16 only); "
+                           "its MTP runs use 'attn' (small-attn-mtp: the same Qwen3.5 model and MTP "
+                           "layer, every layer full attention)"}
 LIVE: set = set()  # engine processes running now, killed on SIGTERM/SIGINT
 
 # FLOAT32_NOTES: what vLLM 0.30.0 does with dtype=float32 on an H200 (SM 9.0), read from its
@@ -293,10 +299,15 @@ def left_out() -> dict[str, str]:
     return FP32_LEFT_OUT if e2e_dtype() == "float32" else {}
 
 
+def mtp_model() -> str:
+    """The model of the MTP runs: the hybrid, or in float32 its all-attention twin."""
+    return "attn" if "hybrid" in left_out() else "hybrid"
+
+
 @dataclass
 class Run:
     name: str
-    model: str  # "dense" or "hybrid"
+    model: str  # a PRESETS key
     pp: int
     mtp: bool = False
     prefix_caching: bool = True
@@ -311,37 +322,36 @@ class Run:
 def plan_runs(quick: bool) -> list[list[list[Run]]]:
     """Phases, run one after the other; each phase is lanes run side by side; a lane is runs in
     order. Phase 0 is stock vLLM (no ballast), later phases the plugin (with ballast)."""
+    m = mtp_model()
     lane0 = [Run("dense-1gpu", "dense", 1, gpu="0")]
-    lane1 = [Run("hybrid-mtp-1gpu", "hybrid", 1, mtp=True, gpu="1")]
+    lane1 = [Run(f"{m}-mtp-1gpu", m, 1, mtp=True, gpu="1")]
     if not quick:
-        lane0.append(Run("hybrid-1gpu", "hybrid", 1, gpu="0"))
+        lane0.append(Run(f"{m}-1gpu", m, 1, gpu="0"))
     phases = [[lane0, lane1],
               [[Run("dense-pp2", "dense", 2)]],
-              [[Run("hybrid-mtp-pp2", "hybrid", 2, mtp=True)]]]
+              [[Run(f"{m}-mtp-pp2", m, 2, mtp=True)]]]
     if not quick:
-        phases.append([[Run("hybrid-mtp-pp2-nocache", "hybrid", 2, mtp=True, prefix_caching=False)]])
-    skip = left_out()
-    phases = [[lane for lane in ([r for r in lane if r.model not in skip] for lane in ph) if lane] for ph in phases]
-    return [ph for ph in phases if ph]
+        phases.append([[Run(f"{m}-mtp-pp2-nocache", m, 2, mtp=True, prefix_caching=False)]])
+    return phases
 
 
 def planned_comparisons(quick: bool) -> list[tuple[str, str, str, str, str]]:
     """(name, run_a, pass_a, run_b, pass_b) of every comparison the mode makes."""
     out = []
-    models = [m for m in ("dense", "hybrid-mtp") if m.split("-")[0] not in left_out()]
-    for model in models:
+    m = mtp_model()
+    for model in ("dense", f"{m}-mtp"):
         for p in PASSES:
             out.append((f"{model} 1gpu-vs-pp2 {p}", f"{model}-1gpu", p, f"{model}-pp2", p))
         for run in (f"{model}-1gpu", f"{model}-pp2"):
             for p in HIT_PASSES:
                 out.append((f"{run} no-hits-vs-{p}", run, "no-hits", run, p))
-    if not quick and "hybrid-mtp" in models:
+    if not quick:
         for p in PASSES:
-            out.append((f"hybrid-mtp-pp2 {p}-vs-cache-off", "hybrid-mtp-pp2-nocache", "no-hits",
-                        "hybrid-mtp-pp2", p))
-            out.append((f"hybrid-1gpu mtp-off-vs-on {p}", "hybrid-1gpu", p, "hybrid-mtp-1gpu", p))
-        out.append(("hybrid mtp-off-1gpu-vs-mtp-pp2 no-hits", "hybrid-1gpu", "no-hits",
-                    "hybrid-mtp-pp2", "no-hits"))
+            out.append((f"{m}-mtp-pp2 {p}-vs-cache-off", f"{m}-mtp-pp2-nocache", "no-hits",
+                        f"{m}-mtp-pp2", p))
+            out.append((f"{m}-1gpu mtp-off-vs-on {p}", f"{m}-1gpu", p, f"{m}-mtp-1gpu", p))
+        out.append((f"{m} mtp-off-1gpu-vs-mtp-pp2 no-hits", f"{m}-1gpu", "no-hits",
+                    f"{m}-mtp-pp2", "no-hits"))
     return out
 
 
@@ -509,11 +519,11 @@ def orchestrate(args: argparse.Namespace) -> int:
         print(f"E2E_DTYPE={dtype}: the {model} model is left out: {why}", flush=True)
     prompts = build_prompts(seed=0)
     models = make_models(out, {r.model for ph in phases for lane in ph for r in lane})
-    if "hybrid" in models:
+    if mtp_model() in models:
         from make_model import has_mtp
 
-        if not has_mtp(models["hybrid"]):
-            print("the hybrid model has no MTP weights: MTP runs are skipped", flush=True)
+        if not has_mtp(models[mtp_model()]):
+            print(f"the {mtp_model()} model has no MTP weights: MTP runs are skipped", flush=True)
             phases = [[[r for r in lane if not r.mtp] for lane in ph] for ph in phases]
     runs: dict[str, dict] = {}
 

@@ -9,7 +9,7 @@ runs of the same model can be compared token for token.
 
 Presets ``*-hybrid`` are Qwen3.5-style text models (``Qwen3_5ForCausalLM``, model_type
 ``qwen3_5_text``): three Gated DeltaNet (linear attention) layers per full-attention layer, as
-in Qwen3.5, plus one MTP layer (``mtp_num_hidden_layers: 1``) so vLLM can run them with
+in Qwen3.5 (``small-attn-mtp``: the same model with every layer full attention), plus one MTP layer (``mtp_num_hidden_layers: 1``) so vLLM can run them with
 ``speculative_config={"method": "mtp", ...}``. transformers builds the main model but has no
 MTP module (it ignores ``mtp.*`` keys on load), so the MTP weights (``mtp.fc``, the three MTP
 norms and one full-attention decoder layer, named as in Qwen3.5 checkpoints) are written here,
@@ -76,6 +76,10 @@ PRESETS = {
     # (head dims as in Qwen3.5: 256 for attention, 128 for the linear-attention heads).
     "small-hybrid": lambda: qwen3_5(8, 512, 8, 2, 256, 1536, 4096, lin_k_heads=4, lin_v_heads=8,
                                     lin_head_dim=128),
+    # small-hybrid with every layer full attention: the same Qwen3.5 model class, attention and
+    # MTP layer, but no GDN layer, so it runs in float32 (vLLM 0.30's GDN prefill does not).
+    "small-attn-mtp": lambda: qwen3_5(8, 512, 8, 2, 256, 1536, 4096, lin_k_heads=4, lin_v_heads=8,
+                                      lin_head_dim=128, full_every=1),
 }
 
 
@@ -133,7 +137,7 @@ def write_random_weights(out: Path, cfg: dict, seed: int) -> None:
 
     torch.manual_seed(seed)
     config = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
-    if is_hybrid(cfg):
+    if cfg["model_type"] == "qwen3_5_text":
         # transformers resolves qwen3_5_text to its CausalLM; make sure it did not pick a
         # multimodal class that would save the weights under another prefix.
         assert type(config).__name__ == "Qwen3_5TextConfig", type(config).__name__

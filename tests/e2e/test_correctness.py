@@ -6,7 +6,8 @@ prefix-cache hits and misses; see the script's docstring for what is compared an
 each of its comparisons into a test. GPU only: ``tests/conftest.py`` skips it when NVML sees no
 GPU; on a GPU machine run ``scripts/gpu/run_gpu_suite.sh``. ``DUALGPU_E2E_STRICT=1`` makes any
 divergence fail, near ties of the hybrid runs too. ``E2E_DTYPE=float32`` reaches the script: its
-float32 mode (the dense model only, every comparison strict), and the runs and comparisons here.
+float32 mode (every comparison strict; the hybrid's MTP runs use its all-attention twin, as vLLM
+0.30 has no float32 GDN prefill), and the runs and comparisons here.
 """
 
 from __future__ import annotations
