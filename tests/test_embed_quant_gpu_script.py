@@ -267,6 +267,6 @@ def test_later_arms_keep_their_minimum(script, monkeypatch, tmp_path, no_process
 
     monkeypatch.setattr(script, "run_arm", run_arm)
     assert script.parent(tmp_path, dirs(tmp_path), 260) == 1  # no results: the checks fail
-    assert limits["plugin-quantized"] == pytest.approx(260 - 80 - 40, abs=1)
-    assert limits["plugin-dense"] == pytest.approx(260 - 40, abs=1)
+    assert limits["plugin-quantized"] == pytest.approx(260 - 110 - 100, abs=1)
+    assert limits["plugin-dense"] == pytest.approx(260 - 100, abs=1)
     assert limits["stock-quantized"] == pytest.approx(260, abs=1)
