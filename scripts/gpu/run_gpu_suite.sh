@@ -24,7 +24,7 @@ cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
 
 if ! "$PY" -c 'import pytest' 2>/dev/null; then
-  echo "pytest is not importable by $PY: stage the pytest, pluggy and iniconfig wheels first" >&2
+  echo "pytest is not importable by $PY: stage it first (scripts/gpu/test_wheels.sh pack here, upload .gputest, then test_wheels.sh install there; session.sh suite does the install)" >&2
   exit 4
 fi
 if ! "$PY" -c 'import importlib.util as u, sys; sys.exit(not (u.find_spec("vllm") and u.find_spec("vllm_dualgpu")))' 2>/dev/null; then
