@@ -519,11 +519,12 @@ def orchestrate(args: argparse.Namespace) -> int:
         print(f"E2E_DTYPE={dtype}: the {model} model is left out: {why}", flush=True)
     prompts = build_prompts(seed=0)
     models = make_models(out, {r.model for ph in phases for lane in ph for r in lane})
-    if mtp_model() in models:
+    m = mtp_model()
+    if m in models:
         from make_model import has_mtp
 
-        if not has_mtp(models[mtp_model()]):
-            print(f"the {mtp_model()} model has no MTP weights: MTP runs are skipped", flush=True)
+        if not has_mtp(models[m]):
+            print(f"the {m} model has no MTP weights: MTP runs are skipped", flush=True)
             phases = [[[r for r in lane if not r.mtp] for lane in ph] for ph in phases]
     runs: dict[str, dict] = {}
 

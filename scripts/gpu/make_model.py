@@ -9,7 +9,8 @@ runs of the same model can be compared token for token.
 
 Presets ``*-hybrid`` are Qwen3.5-style text models (``Qwen3_5ForCausalLM``, model_type
 ``qwen3_5_text``): three Gated DeltaNet (linear attention) layers per full-attention layer, as
-in Qwen3.5 (``small-attn-mtp``: the same model with every layer full attention), plus one MTP layer (``mtp_num_hidden_layers: 1``) so vLLM can run them with
+in Qwen3.5 (``small-attn-mtp``: the same model with every layer full attention), plus one MTP
+layer (``mtp_num_hidden_layers: 1``) so vLLM can run them with
 ``speculative_config={"method": "mtp", ...}``. transformers builds the main model but has no
 MTP module (it ignores ``mtp.*`` keys on load), so the MTP weights (``mtp.fc``, the three MTP
 norms and one full-attention decoder layer, named as in Qwen3.5 checkpoints) are written here,
@@ -65,6 +66,10 @@ def qwen3_5(layers, hidden, heads, kv_heads, head_dim, inter, vocab, lin_k_heads
     return cfg
 
 
+def _small_qwen3_5(**kw):
+    return qwen3_5(8, 512, 8, 2, 256, 1536, 4096, lin_k_heads=4, lin_v_heads=8, lin_head_dim=128, **kw)
+
+
 PRESETS = {
     # Boots in seconds; for plumbing tests.
     "tiny-dense": lambda: qwen3(4, 256, 4, 2, 64, 512, 2048),
@@ -74,12 +79,10 @@ PRESETS = {
     "qwen3-14b-fp8": lambda: qwen3(40, 5120, 40, 8, 128, 17408, 151936, quantization_config=FP8_BLOCK),
     # Qwen3.5-style GDN hybrid with one MTP layer; the hybrid counterpart of small-dense
     # (head dims as in Qwen3.5: 256 for attention, 128 for the linear-attention heads).
-    "small-hybrid": lambda: qwen3_5(8, 512, 8, 2, 256, 1536, 4096, lin_k_heads=4, lin_v_heads=8,
-                                    lin_head_dim=128),
+    "small-hybrid": lambda: _small_qwen3_5(),
     # small-hybrid with every layer full attention: the same Qwen3.5 model class, attention and
     # MTP layer, but no GDN layer, so it runs in float32 (vLLM 0.30's GDN prefill does not).
-    "small-attn-mtp": lambda: qwen3_5(8, 512, 8, 2, 256, 1536, 4096, lin_k_heads=4, lin_v_heads=8,
-                                      lin_head_dim=128, full_every=1),
+    "small-attn-mtp": lambda: _small_qwen3_5(full_every=1),
 }
 
 

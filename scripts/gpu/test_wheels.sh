@@ -15,8 +15,7 @@ set -euo pipefail
 mode=${1:?usage: test_wheels.sh pack|install [DIR]}
 dir=${2:-.gputest}
 PY=${PYTHON:-python3}
-PACKAGES=(pytest pluggy iniconfig packaging pygments)   # distribution names; modules below
-declare -A MODULE=([pytest]=pytest [pluggy]=pluggy [iniconfig]=iniconfig [packaging]=packaging [pygments]=pygments)
+PACKAGES=(pytest pluggy iniconfig packaging pygments)   # each distribution's module has its name
 
 case "$mode" in
   pack)
@@ -30,7 +29,7 @@ case "$mode" in
     mkdir -p "$SITE"
     export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
     for dist in "${PACKAGES[@]}"; do
-      if "$PY" -c "import ${MODULE[$dist]}" 2>/dev/null; then
+      if "$PY" -c "import $dist" 2>/dev/null; then
         echo "$dist: already importable"
         continue
       fi
