@@ -956,3 +956,30 @@ def test_bench_memory_table_compares_prediction_with_measurement():
     assert "| dualgpu | 10/30 | yes | 133,968 | 137,120 | +2.4% | 120.5 |" in md
     assert "| stock_u0.10 | even | yes | 37,376 | - | - | - |" in md
     assert "    vllm-dualgpu rank 1/2: used: 30.5 GiB" in md
+
+
+def test_gpu_children_refuse_the_cpu_platform(tmp_path, monkeypatch):
+    """conftest's VLLM_TARGET_DEVICE=cpu reaching a real GPU child is said at once, not as a
+    failed engine start-up deep in vLLM (seen on the GPU host: the suite's e2e runs all failed)."""
+    import gpurun
+
+    monkeypatch.setenv("VLLM_TARGET_DEVICE", "cpu")
+    with pytest.raises(RuntimeError, match="VLLM_TARGET_DEVICE=cpu is set"):
+        gpurun.require_cuda_platform()
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"result_path": str(tmp_path / "result.json"), "engine": {}}))
+    subprocess.run([sys.executable, str(GPU_SCRIPTS / "e2e_correctness.py"), "--child", str(spec)],
+                   check=True, timeout=120, capture_output=True)  # the child reports in its result
+    assert "VLLM_TARGET_DEVICE=cpu is set" in json.loads((tmp_path / "result.json").read_text())["error"]
+    monkeypatch.setenv("VLLM_TARGET_DEVICE", "cuda")
+    gpurun.require_cuda_platform()
+
+
+def test_gpu_suite_e2e_runs_without_the_cpu_platform(monkeypatch):
+    """tests/e2e starts its GPU script without the VLLM_TARGET_DEVICE that conftest sets."""
+    from e2e.test_correctness import script_env
+
+    monkeypatch.setenv("VLLM_TARGET_DEVICE", "cpu")
+    monkeypatch.setenv("E2E_DTYPE", "float32")
+    env = script_env()
+    assert "VLLM_TARGET_DEVICE" not in env and env["E2E_DTYPE"] == "float32"

@@ -87,7 +87,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from gpurun import ballast, gdn_prefill_config, start, wait_for  # noqa: E402
+from gpurun import ballast, gdn_prefill_config, require_cuda_platform, start, wait_for  # noqa: E402
 
 FREE_GIB = [32.0, 16.0]
 MAX_MODEL_LEN = 4096
@@ -643,6 +643,7 @@ def child(spec_path: Path) -> int:
     res: dict = {"error": None, "passes": {}}
     t0 = time.time()
     try:
+        require_cuda_platform()
         from vllm import LLM, SamplingParams
 
         llm = LLM(**spec["engine"])

@@ -26,6 +26,18 @@ def gdn_prefill_config() -> dict:
     return {"gdn_prefill_backend": os.environ.get("GDN_PREFILL_BACKEND", "triton")}
 
 
+def require_cuda_platform() -> None:
+    """Refuse a real GPU child whose environment names vLLM's CPU platform.
+
+    CPU tests set ``VLLM_TARGET_DEVICE=cpu`` (tests/conftest.py); a GPU child that inherits it
+    would boot vLLM's CPU platform and fail deep in engine start-up ("'_C' object has no
+    attribute 'init_cpu_memory_env'"). Say so at once instead.
+    """
+    if os.environ.get("VLLM_TARGET_DEVICE", "").lower() == "cpu":
+        raise RuntimeError("VLLM_TARGET_DEVICE=cpu is set, so vLLM would pick its CPU platform for "
+                           "this GPU run; unset it (only --dry-run uses the CPU platform)")
+
+
 def start(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
     """Start cmd in its own process group, stdout+stderr to log (never a pipe)."""
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -98,6 +110,7 @@ def arms_main(doc: str, arms, *, timeout: float, dry_help: str, prepare, reuse, 
     if args.dry_run:
         return dry_run(out, inputs)
     if args.child:
+        require_cuda_platform()
         return child(out, inputs, args.child)
     return parent(out, inputs, args.timeout)
 

@@ -33,6 +33,12 @@ RUNS = [r.name for phase in e2e.plan_runs(quick=True) for lane in phase for r in
 pytestmark = pytest.mark.gpu
 
 
+def script_env() -> dict:
+    """This process's environment less VLLM_TARGET_DEVICE: tests/conftest.py sets it to ``cpu``
+    for the CPU tests, and the script's GPU runs need vLLM's CUDA platform."""
+    return {k: v for k, v in os.environ.items() if k != "VLLM_TARGET_DEVICE"}
+
+
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
     base = os.environ.get("OUT")
@@ -42,7 +48,7 @@ def report(tmp_path_factory) -> dict:
     if os.environ.get("DUALGPU_E2E_STRICT") == "1":
         cmd.append("--strict")
     with open(out / "e2e_stdout.log", "w") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=1200, cwd=ROOT)
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=1200, cwd=ROOT, env=script_env())
     result = out / "e2e_correctness.json"
     assert result.exists(), f"no {result} (rc={proc.returncode}); see {out / 'e2e_stdout.log'}"
     data = json.loads(result.read_text())
