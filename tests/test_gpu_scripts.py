@@ -795,6 +795,7 @@ def fake_vllm(tmp_path, monkeypatch):
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text(FAKE_VLLM)
     monkeypatch.setenv("PYTHONPATH", str(pkg.parent))
+    monkeypatch.delenv("VLLM_TARGET_DEVICE")  # as tests/e2e starts the script: its children refuse it
     monkeypatch.setattr(e2e, "ballast", lambda free, logdir: __import__("contextlib").nullcontext())
     out = tmp_path / "out"
     for preset, mtp in (("small-dense", False), ("small-hybrid", True)):

@@ -25,7 +25,7 @@ else
   echo "$src_hash" > "$SITE/.source-hash"
   echo "installed vllm-dualgpu in $(( $(date +%s) - t0 )) s"
 fi
-# The suite stage needs pytest, which vLLM's staging does not bring: install it from the wheels
+# The suite stage needs pytest, which vLLM's staging does not promise: install it from the wheels
 # uploaded as .gputest (scripts/gpu/test_wheels.sh pack) when they are here.
 if [[ " $* " == *" suite "* ]] && [ -d .gputest ]; then
   DUALGPU_SITE=$SITE bash scripts/gpu/test_wheels.sh install .gputest || exit 1

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # pytest for the GPU host, which reaches no package index and whose staging (vLLM's wheels)
-# brings no pytest: the `suite` stage (scripts/gpu/run_gpu_suite.sh) needs it.
+# does not promise pytest: the `suite` stage (scripts/gpu/run_gpu_suite.sh) needs it. (The
+# host's Python has had pytest 9.1.1 preinstalled; then `install` leaves it as it is.)
 #
 #     bash scripts/gpu/test_wheels.sh pack [DIR]      # here, with the index: wheels into DIR
 #     bash scripts/gpu/test_wheels.sh install [DIR]   # on the GPU host, after staging
