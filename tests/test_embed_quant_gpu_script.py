@@ -7,7 +7,6 @@ module, so nothing leaks into the other tests."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -222,13 +221,9 @@ def fake_children(script, tmp_path, monkeypatch, no_process_hooks):
     return set_payload
 
 
-def dirs(tmp_path: Path) -> dict:
-    return {"dense": tmp_path / "dense", "quantized": tmp_path / "quantized"}
-
-
 def test_parent_runs_every_arm(script, fake_children, tmp_path):
     fake_children(good_arms(script))
-    assert script.parent(tmp_path, dirs(tmp_path), 60) == 0
+    assert script.parent(tmp_path, script.checkpoint_dirs(tmp_path), 60) == 0
     result = json.loads((tmp_path / "embed_quant_pp.json").read_text())
     assert result["ok"] and list(result["arms"]) == list(script.ARMS)
     assert result["tokens"]["ok"] and result["expected"] == EXPECTED
@@ -244,7 +239,7 @@ def test_parent_fails_when_stock_boots(script, fake_children, tmp_path):
     arms = good_arms(script)
     arms["stock-quantized"] = plugin_arm(script, False)
     fake_children(arms)
-    assert script.parent(tmp_path, dirs(tmp_path), 60) == 1
+    assert script.parent(tmp_path, script.checkpoint_dirs(tmp_path), 60) == 1
     result = json.loads((tmp_path / "embed_quant_pp.json").read_text())
     assert [k for k, v in result["checks"].items() if not v] == ["stock refused with the weight_packed message"]
 
@@ -253,7 +248,7 @@ def test_arm_time_limit_kills_the_process_group(script, fake_children, tmp_path)
     arms = good_arms(script)
     arms["stock-quantized"]["hang"] = True
     fake_children(arms)
-    result = script.run_arm(tmp_path, dirs(tmp_path), "stock-quantized", 3)
+    result = script.run_arm(tmp_path, script.checkpoint_dirs(tmp_path), "stock-quantized", 3)
     assert result["timed_out"] and result["child"] is None and result["time_limit_s"] == 3
     assert process_gone(int((tmp_path / "grandchild.pid").read_text()))
 
@@ -266,7 +261,7 @@ def test_later_arms_keep_their_minimum(script, monkeypatch, tmp_path, no_process
         return {"child": None, "plugin_lines": [], "refusal_lines": []}
 
     monkeypatch.setattr(script, "run_arm", run_arm)
-    assert script.parent(tmp_path, dirs(tmp_path), 260) == 1  # no results: the checks fail
+    assert script.parent(tmp_path, script.checkpoint_dirs(tmp_path), 260) == 1  # no results: the checks fail
     assert limits["plugin-quantized"] == pytest.approx(260 - 110 - 100, abs=1)
     assert limits["plugin-dense"] == pytest.approx(260 - 100, abs=1)
     assert limits["stock-quantized"] == pytest.approx(260, abs=1)

@@ -17,15 +17,12 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-GPU_SCRIPTS = ROOT / "scripts" / "gpu"
-
+from conftest import GPU_SCRIPTS, gpu_script_dry_run
 
 sys.path.insert(0, str(GPU_SCRIPTS))  # the scripts import each other by name
 import e2e_correctness as e2e  # noqa: E402
 import make_model  # noqa: E402
 import soak  # noqa: E402
-from conftest import gpu_script_dry_run  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -215,6 +212,15 @@ def _lps(outputs, gap_at=None, gap=1.0, alt=None):
             row.append([[t, -0.1], [second, -0.1 - (gap if gap_at == (i, j) else 3.0)]])
         res.append(row)
     return res
+
+
+def test_token_logprobs_is_what_compare_reads():
+    """vLLM's per-position {token: Logprob} dicts become [token, logprob] pairs, best first."""
+    from types import SimpleNamespace as NS
+
+    completion = NS(logprobs=[{7: NS(logprob=-2.0), 5: NS(logprob=-0.1234567)}, {9: NS(logprob=-0.5)}])
+    assert e2e.token_logprobs(completion) == [[[5, -0.12346], [7, -2.0]], [[9, -0.5]]]
+    assert e2e.token_logprobs(NS(logprobs=None)) == []
 
 
 def test_compare_reports_first_differing_index():
@@ -912,8 +918,7 @@ def test_soak_end_to_end_with_a_stand_in_server(tmp_path, monkeypatch):
 
 def test_serve_smoke_finds_the_plugin_line_of_every_process(tmp_path):
     """The log lines as vLLM 0.30 prints them (front end unprefixed, others with a pid)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "gpu"))
-    import serve_smoke
+    import serve_smoke  # GPU_SCRIPTS is on sys.path (top of this module)
 
     log = tmp_path / "serve.log"
     v = "vllm-dualgpu 0.1.0"

@@ -106,7 +106,8 @@ FP32_LEFT_OUT = {"hybrid": "vLLM 0.30 has no float32 GDN prefill kernel (FLA's c
 LIVE: set = set()  # engine processes running now, killed on SIGTERM/SIGINT
 
 # FLOAT32_NOTES: what vLLM 0.30.0 does with dtype=float32 on an H200 (SM 9.0), read from its
-# sources (paths under site-packages/; not run on a GPU yet).
+# sources (paths under site-packages/). The float32 runs planned from them have since passed on
+# two H200s, every comparison strict (docs/gpu-runs.md, fifth and sixth sessions).
 # - Attention: the SM 9.x non-MLA priority list is FLASH_ATTN, FLASHINFER, TRITON_ATTN,
 #   FLEX_ATTENTION (vllm/platforms/cuda.py:166-178); FlashAttention and FlashInfer take fp16/bf16
 #   only (vllm/v1/attention/backends/flash_attn.py:284, flashinfer.py:413; checked in
@@ -247,6 +248,13 @@ def _lp(position: list | None, token: int) -> float | None:
         if t == token:
             return lp
     return None
+
+
+def token_logprobs(completion) -> list[list[list]]:
+    """A vLLM completion's logprobs as :func:`compare` reads them: per position, [token, logprob]
+    pairs, best first."""
+    return [sorted(([tid, round(lp.logprob, 5)] for tid, lp in pos.items()), key=lambda x: -x[1])
+            for pos in (completion.logprobs or [])]
 
 
 def compare(ref: list[list[int]], got: list[list[int]], ref_lps: list | None = None,
@@ -668,9 +676,7 @@ def child(spec_path: Path) -> int:
             res["passes"][name] = {
                 "generate_s": round(time.time() - t, 2),
                 "outputs": [list(o.outputs[0].token_ids) for o in outs],
-                "logprobs": [[sorted(([tid, round(lp.logprob, 5)] for tid, lp in pos.items()),
-                                     key=lambda x: -x[1]) for pos in (o.outputs[0].logprobs or [])]
-                             for o in outs],
+                "logprobs": [token_logprobs(o.outputs[0]) for o in outs],
                 "num_cached_tokens": [o.num_cached_tokens or 0 for o in outs],
                 "spec": {k: after[k] - before[k] for k in after if k != "error"}
                 | ({"metrics_error": after["error"]} if "error" in after else {}),

@@ -168,6 +168,11 @@ def table_sha256(table) -> str:
     return hashlib.sha256(table.contiguous().view(torch.int16).cpu().numpy().tobytes()).hexdigest()
 
 
+def checkpoint_dirs(out: Path) -> dict[str, Path]:
+    """The two checkpoints' folders: OUTDIR/dense and OUTDIR/quantized."""
+    return {"dense": out / "dense", "quantized": out / "quantized"}
+
+
 def write_checkpoints(out: Path) -> dict[str, Path]:
     """OUTDIR/dense and OUTDIR/quantized from one set of seeded weights (written once)."""
     import torch
@@ -175,9 +180,10 @@ def write_checkpoints(out: Path) -> dict[str, Path]:
     from safetensors.torch import load_file, save_file
 
     cfg = model_config()
-    dense, quant = out / "dense", out / "quantized"
+    dirs = checkpoint_dirs(out)
+    dense, quant = dirs["dense"], dirs["quantized"]
     if (quant / "config.json").exists():
-        return {"dense": dense, "quantized": quant}
+        return dirs
     shutil.rmtree(dense, ignore_errors=True)
     shutil.rmtree(quant, ignore_errors=True)
     write_random_weights(dense, cfg, SEED)
@@ -197,7 +203,7 @@ def write_checkpoints(out: Path) -> dict[str, Path]:
     (dense / "config.json").write_text(json.dumps(cfg, indent=1))
     # Last: its presence means both checkpoints are complete.
     (quant / "config.json").write_text(json.dumps({**cfg, "quantization_config": QUANT_CONFIG}, indent=1))
-    return {"dense": dense, "quantized": quant}
+    return dirs
 
 
 def expected_facts(dirs: dict[str, Path]) -> dict:
@@ -413,6 +419,7 @@ def probe_worker(worker) -> dict:
 def child(out: Path, dirs: dict[str, Path], arm: str) -> int:
     t0, res = time.time(), {"arm": arm, "booted": False}
     try:
+        from e2e_correctness import token_logprobs
         from vllm import LLM, SamplingParams
 
         llm = LLM(**engine_kwargs(dirs[ARMS[arm][1]], arm))
@@ -420,8 +427,7 @@ def child(out: Path, dirs: dict[str, Path], arm: str) -> int:
         sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False, logprobs=LOGPROBS)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], sp, use_tqdm=False)
         res["outputs"] = [list(o.outputs[0].token_ids) for o in outs]
-        res["logprobs"] = [[sorted(([t, round(lp.logprob, 5)] for t, lp in pos.items()), key=lambda x: -x[1])
-                            for pos in (o.outputs[0].logprobs or [])] for o in outs]
+        res["logprobs"] = [token_logprobs(o.outputs[0]) for o in outs]
         res["workers"] = llm.collective_rpc(probe_worker, timeout=60)
     except Exception as exc:
         res["error"] = f"{type(exc).__name__}: {exc}"[:2000]
@@ -516,7 +522,7 @@ def parent(out: Path, dirs: dict[str, Path], timeout: float) -> int:
 def main() -> int:
     return arms_main(__doc__, ARMS, timeout=480.0,
                      dry_help="CPU only: checkpoints, packing, quant and engine configs",
-                     prepare=write_checkpoints, reuse=lambda out: {"dense": out / "dense", "quantized": out / "quantized"},
+                     prepare=write_checkpoints, reuse=checkpoint_dirs,
                      dry_run=dry_run, child=child, parent=parent)
 
 
