@@ -29,6 +29,8 @@ setup(
     packages=[
         "vllm_dualgpu",
         "vllm_dualgpu.patches",
+        "vllm_dualgpu.patching",
+        "vllm_dualgpu.engine",
         "vllm_dualgpu.kernels",
         "vllm_dualgpu.planner",
         "vllm_dualgpu.cli",

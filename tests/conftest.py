@@ -69,7 +69,7 @@ def vllm_version():
 
 def registry_patch(name: str):
     """The registry's entry called ``name``."""
-    from vllm_dualgpu.patches.registry import PATCHES
+    from vllm_dualgpu.patching.registry import PATCHES
 
     return next(p for p in PATCHES if p.name == name)
 
@@ -95,7 +95,7 @@ def pp_stage(monkeypatch):
 
 def apply_registry_patch(name: str, vllm_version: str):
     """Apply the registry's patch ``name`` (or find it applied); the caller reverts it."""
-    from vllm_dualgpu.patches.core import ALREADY, APPLIED, apply_patch
+    from vllm_dualgpu.patching.core import ALREADY, APPLIED, apply_patch
 
     patch = registry_patch(name)
     outcome = apply_patch(patch, vllm_version)

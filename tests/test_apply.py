@@ -7,8 +7,9 @@ import logging
 
 import pytest
 
-from vllm_dualgpu import apply, envs
-from vllm_dualgpu.gpus import VisibleGpu
+from vllm_dualgpu import envs
+from vllm_dualgpu.engine import planning as apply
+from vllm_dualgpu.nvml import VisibleGpu
 
 GiB = 1024**3
 H200_TOTAL = int(140.4 * GiB)
@@ -36,7 +37,7 @@ def make_config(tmp_path_factory):
     vllm_dualgpu.register()
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_dualgpu import preflight
+    from vllm_dualgpu.engine import preflight
 
     d = tmp_path_factory.mktemp("q14")
     (d / "config.json").write_text(json.dumps(Q14_FP8))
@@ -153,7 +154,7 @@ def test_plan_file(make_config, big_first_pair, monkeypatch, tmp_path):
 def test_each_rank_gets_its_prediction(make_config, big_first_pair):
     import os
 
-    from vllm_dualgpu.worker import profiled_vs_predicted
+    from vllm_dualgpu.engine.worker import profiled_vs_predicted
 
     applied = apply.apply_plan(make_config())
     predicted = [envs.rank_values(envs.RANK_PREDICTED, r) for r in range(2)]

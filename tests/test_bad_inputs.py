@@ -18,9 +18,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_dualgpu import apply, envs, preflight
-from vllm_dualgpu.executor import planning_applies
-from vllm_dualgpu.gpus import VisibleGpu, visible_physical_ids
+from vllm_dualgpu import envs
+from vllm_dualgpu.engine import planning as apply
+from vllm_dualgpu.engine import preflight
+from vllm_dualgpu.engine.executor import planning_applies
+from vllm_dualgpu.nvml import VisibleGpu, visible_physical_ids
 
 GiB = 1024**3
 
@@ -202,7 +204,7 @@ def test_20_unsupported_vllm_version_patches_nothing(monkeypatch, caplog):
 
 
 def test_21_worker_with_no_room_left():
-    from vllm_dualgpu.worker import rank_budget
+    from vllm_dualgpu.engine.worker import rank_budget
 
     assert rank_budget(free=GiB, total=16 * GiB, reserve=2 * GiB, cap=None) < 0
     assert rank_budget(free=10 * GiB, total=16 * GiB, reserve=GiB, cap=8 * GiB) == 8 * GiB
@@ -257,7 +259,7 @@ def test_23_out_of_memory_in_warm_up_exits_with_advice(monkeypatch, caplog):
     """A rank that runs out of memory after KV sizing must end, not leave its peer waiting."""
     import torch
 
-    from vllm_dualgpu import worker as w
+    from vllm_dualgpu.engine import worker as w
 
     caplog.set_level(logging.ERROR, logger="vllm.dualgpu")
     logging.getLogger("vllm.dualgpu").propagate = True

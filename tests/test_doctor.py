@@ -8,8 +8,8 @@ import types
 import pytest
 
 from vllm_dualgpu.cli import doctor, main
-from vllm_dualgpu.gpus import VisibleGpu
-from vllm_dualgpu.patches.core import ALREADY, APPLIED, READY, SKIPPED, Patch, apply_patch, check_patch, revert_patch
+from vllm_dualgpu.nvml import VisibleGpu
+from vllm_dualgpu.patching.core import ALREADY, APPLIED, READY, SKIPPED, Patch, apply_patch, check_patch, revert_patch
 
 GiB = 1024**3
 
@@ -124,7 +124,7 @@ def test_configs_are_matched_to_each_card_by_vllms_file_name(tmp_path):
 
 
 def _targets_now(patches) -> dict:
-    from vllm_dualgpu.patches.core import _function_of, _raw_attr, _resolve_owner
+    from vllm_dualgpu.patching.core import _function_of, _raw_attr, _resolve_owner
 
     now = {}
     for p in patches:
@@ -136,7 +136,7 @@ def _targets_now(patches) -> dict:
 
 
 def test_patch_lines_cover_the_registry_without_changing_vllm():
-    from vllm_dualgpu.patches.registry import PATCHES
+    from vllm_dualgpu.patching.registry import PATCHES
 
     before = _targets_now(PATCHES)
     lines, outcomes = doctor.patch_lines("0.30.0")
@@ -149,9 +149,9 @@ def test_patch_lines_cover_the_registry_without_changing_vllm():
 
 
 def test_doctor_without_gpus_prints_a_short_report(monkeypatch, capsys):
-    import vllm_dualgpu.gpus
+    import vllm_dualgpu.nvml
 
-    monkeypatch.setattr(vllm_dualgpu.gpus, "read_visible_gpus", no_nvml)
+    monkeypatch.setattr(vllm_dualgpu.nvml, "read_visible_gpus", no_nvml)
     assert main(["doctor"]) == 0
     out, err = capsys.readouterr()
     assert "Traceback" not in out + err
@@ -162,19 +162,19 @@ def test_doctor_without_gpus_prints_a_short_report(monkeypatch, capsys):
 
 
 def test_doctor_fails_when_the_extension_is_missing(monkeypatch, capsys):
-    import vllm_dualgpu.gpus
+    import vllm_dualgpu.nvml
 
-    monkeypatch.setattr(vllm_dualgpu.gpus, "read_visible_gpus", no_nvml)
+    monkeypatch.setattr(vllm_dualgpu.nvml, "read_visible_gpus", no_nvml)
     monkeypatch.setitem(sys.modules, "vllm_dualgpu._C", None)
     assert main(["doctor"]) == 1
     assert "Native extension: NOT importable" in capsys.readouterr().out
 
 
 def test_doctor_fails_when_a_required_patch_cannot_apply_on_a_gpu_machine(monkeypatch, capsys):
-    import vllm_dualgpu.gpus
-    from vllm_dualgpu.patches import registry
+    import vllm_dualgpu.nvml
+    from vllm_dualgpu.patching import registry
 
-    monkeypatch.setattr(vllm_dualgpu.gpus, "read_visible_gpus", lambda: [BIG, SMALL])
+    monkeypatch.setattr(vllm_dualgpu.nvml, "read_visible_gpus", lambda: [BIG, SMALL])
     broken = make(name="broken", target="vllm.utils.platform_utils:get_device_name_as_file_name",
                   params=("nope",), copies=())
     monkeypatch.setattr(registry, "PATCHES", (broken,))

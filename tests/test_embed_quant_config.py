@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import apply_registry_patch, registry_patch
-from vllm_dualgpu.patches.core import ALREADY, APPLIED, apply_patch, revert_patch
+from vllm_dualgpu.patching.core import ALREADY, APPLIED, apply_patch, revert_patch
 from vllm_dualgpu.process import ACTIVE_ENV
 
 NAME = "qwen3-next-embed-quant-config"
@@ -118,7 +118,7 @@ def test_patched_model_embedding_is_quantized(patched, build, qwen3_5, active):
 
 
 def test_rank_summary_names_each_completed_embedding(patched, build, qwen3_5, mtp_module, active):
-    from vllm_dualgpu import rank_summary
+    from vllm_dualgpu.engine import rank_summary
     from vllm_dualgpu.patches.vocab_embedding import SUMMARY_KEY
 
     rank_summary.clear()

@@ -35,7 +35,7 @@ def test_dualgpu_name_selects_the_executor_class(engine_args_cls, tiny_model_dir
     from vllm.config import replace
     from vllm.v1.executor.abstract import Executor
 
-    from vllm_dualgpu.executor import DualGpuExecutor
+    from vllm_dualgpu.engine.executor import DualGpuExecutor
 
     cfg = make_config(engine_args_cls, tiny_model_dir, "dualgpu")
     assert cfg.parallel_config.distributed_executor_backend is DualGpuExecutor
@@ -58,8 +58,8 @@ def test_misspelled_name_is_a_clear_error(engine_args_cls, tiny_model_dir):
 
 def test_without_plugin_stock_vllm_refuses_the_name(engine_args_cls, tiny_model_dir):
     """The patch is what makes the name work: reverting it brings back vLLM's refusal."""
-    from vllm_dualgpu.patches.core import apply_patch, revert_patch
-    from vllm_dualgpu.patches.registry import PATCHES
+    from vllm_dualgpu.patching.core import apply_patch, revert_patch
+    from vllm_dualgpu.patching.registry import PATCHES
 
     patch = next(p for p in PATCHES if p.name == "executor-by-name")
     assert revert_patch(patch)

@@ -41,7 +41,7 @@ PER_TOKEN_LAYER = 2 * 2 * 64 * 2
 
 
 def test_limiting_rank_is_named_with_the_largest_length_that_fits(vllm_config):
-    from vllm_dualgpu.fit import ContextDoesNotFit, check_context_fits
+    from vllm_dualgpu.engine.context_fit import ContextDoesNotFit, check_context_fits
 
     # Rank 0: 1 layer and lots of memory; rank 1: 3 layers and room for ~1000 tokens of them.
     per_block_r1 = 3 * PER_TOKEN_LAYER * 16
@@ -56,7 +56,7 @@ def test_limiting_rank_is_named_with_the_largest_length_that_fits(vllm_config):
 
 
 def test_fits_when_every_rank_holds_the_context(vllm_config):
-    from vllm_dualgpu.fit import check_context_fits, per_rank_max_len
+    from vllm_dualgpu.engine.context_fit import check_context_fits, per_rank_max_len
 
     big = 4096 * 4 * PER_TOKEN_LAYER  # more than enough for 4096 tokens on every rank
     check_context_fits(vllm_config, [specs(range(0, 2)), specs(range(2, 4))], [big, big])
@@ -68,7 +68,7 @@ def test_agrees_with_vllms_own_check(vllm_config):
     """Where our check says a length does not fit, vLLM's get_kv_cache_configs refuses too."""
     from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
 
-    from vllm_dualgpu.fit import ContextDoesNotFit, check_context_fits
+    from vllm_dualgpu.engine.context_fit import ContextDoesNotFit, check_context_fits
 
     per_block = 2 * PER_TOKEN_LAYER * 16
     rank_specs = [specs(range(0, 2)), specs(range(2, 4))]

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import textwrap
 
-from vllm_dualgpu.patches.registry import PATCHES
+from vllm_dualgpu.patching.registry import PATCHES
 
 CHILD = textwrap.dedent(
     """
@@ -56,7 +56,7 @@ def test_worker_class_ensures_patches_before_vllm_builds_it(monkeypatch):
     from vllm.v1.worker.gpu_worker import Worker
 
     from vllm_dualgpu import plugin
-    from vllm_dualgpu.worker import DualGpuWorker
+    from vllm_dualgpu.engine.worker import DualGpuWorker
 
     calls = []
     monkeypatch.setattr(plugin, "ensure", lambda kinds: calls.append(("ensure", set(kinds))))
@@ -71,7 +71,7 @@ def test_executor_ensures_engine_patches_first(monkeypatch):
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
     from vllm_dualgpu import plugin
-    from vllm_dualgpu.executor import DualGpuExecutor
+    from vllm_dualgpu.engine.executor import DualGpuExecutor
 
     calls = []
     monkeypatch.setattr(plugin, "ensure", lambda kinds: calls.append(("ensure", set(kinds))))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_dualgpu import rank_summary
+from vllm_dualgpu.engine import rank_summary
 from vllm_dualgpu.kernels import fp8_configs as fc
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -226,8 +226,8 @@ def test_one_info_line_per_rank_and_one_default_warning(tmp_path, monkeypatch, c
 def patched_lookup():
     import vllm
 
-    from vllm_dualgpu.patches.core import APPLIED, apply_patch, revert_patch
-    from vllm_dualgpu.patches.registry import PATCHES
+    from vllm_dualgpu.patching.core import APPLIED, apply_patch, revert_patch
+    from vllm_dualgpu.patching.registry import PATCHES
 
     p = next(p for p in PATCHES if p.name == "fp8-configs-per-rank")
     out = apply_patch(p, vllm.__version__)

@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from vllm_dualgpu import rank_summary
+from vllm_dualgpu.engine import rank_summary
 from vllm_dualgpu.kernels import fp8_preference as pref
 
 CAPS = {"RTX 4070 Ti SUPER": (8, 9), "RTX 5090": (12, 0), "RTX A5000": (8, 6), "H200": (9, 0)}
@@ -108,8 +108,8 @@ def sm_aware_vllm(monkeypatch, gpus):
     import vllm
     import vllm.model_executor.kernels.linear as L
 
-    from vllm_dualgpu.patches.core import APPLIED, apply_patch, revert_patch
-    from vllm_dualgpu.patches.registry import PATCHES
+    from vllm_dualgpu.patching.core import APPLIED, apply_patch, revert_patch
+    from vllm_dualgpu.patching.registry import PATCHES
 
     hopper_blackwell = {(9, 0), (10, 0)}
     need = {"FlashInferFp8DeepGEMMDynamicBlockScaledKernel": hopper_blackwell.__contains__,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pynvml
 import pytest
 
-from vllm_dualgpu.gpus import _has_nvlink
+from vllm_dualgpu.nvml import _has_nvlink
 
 
 class _Nvml:

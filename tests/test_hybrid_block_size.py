@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import apply_registry_patch
-from vllm_dualgpu.patches.core import apply_patch, revert_patch
+from vllm_dualgpu.patching.core import apply_patch, revert_patch
 
 NAME = "hybrid-block-size-every-stage"
 

@@ -54,7 +54,7 @@ def test_vllm_loads_plugin_once_and_it_logs_one_line():
         vllm_dualgpu.register()
         vllm_dualgpu.register()
         from vllm.engine.arg_utils import EngineArgs
-        from vllm_dualgpu.patches.core import SENTINEL
+        from vllm_dualgpu.patching.core import SENTINEL
         f = EngineArgs.create_engine_config
         print("SENTINEL", getattr(f, SENTINEL, None), getattr(f.__wrapped__, SENTINEL, None))
         """

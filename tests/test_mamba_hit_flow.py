@@ -29,7 +29,7 @@ import types
 import pytest
 import torch
 
-from vllm_dualgpu.patches.registry import PATCHES
+from vllm_dualgpu.patching.registry import PATCHES
 from vllm_dualgpu.process import ACTIVE_ENV
 
 BS = 144  # attention page == GDN state block (vLLM's hybrid block-size alignment)

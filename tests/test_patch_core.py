@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from vllm_dualgpu.patches.core import (
+from vllm_dualgpu.patching.core import (
     ALREADY,
     APPLIED,
     SKIPPED,
@@ -114,7 +114,7 @@ def test_classmethod_stays_a_classmethod(fake_vllm):
 
 
 def test_pinned_source_is_checked_before_anything_changes(tmp_path, monkeypatch):
-    from vllm_dualgpu.patches.source_check import check_in_file, function_digest
+    from vllm_dualgpu.patching.source_check import check_in_file, function_digest
 
     (tmp_path / "fake_pinned.py").write_text("def f(x, y):\n    return x + y\n")
     monkeypatch.syspath_prepend(str(tmp_path))

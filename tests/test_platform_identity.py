@@ -18,8 +18,8 @@ import torch
 import vllm
 
 from vllm_dualgpu import plugin
-from vllm_dualgpu.patches.core import APPLIED, Patch, apply_patch, revert_patch
-from vllm_dualgpu.patches.registry import PATCHES
+from vllm_dualgpu.patching.core import APPLIED, Patch, apply_patch, revert_patch
+from vllm_dualgpu.patching.registry import PATCHES
 from vllm_dualgpu.process import ENGINE, FRONTEND, WORKER
 
 VLLM_DIR = Path(vllm.__file__).parent

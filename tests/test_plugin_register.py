@@ -55,7 +55,7 @@ def test_frontend_gets_the_executor_selection_patch():
 
 
 def test_every_declared_patch_is_complete():
-    from vllm_dualgpu.patches.registry import PATCHES
+    from vllm_dualgpu.patching.registry import PATCHES
     from vllm_dualgpu.process import ALL_PROCESSES
 
     names = [p.name for p in PATCHES]
@@ -69,10 +69,10 @@ def test_every_declared_patch_is_complete():
 def test_docs_patches_md_is_generated_from_the_registry():
     from pathlib import Path
 
-    from vllm_dualgpu.patches.docs import render
+    from vllm_dualgpu.patching.docs import render
 
     doc = Path(__file__).resolve().parents[1] / "docs" / "patches.md"
-    assert doc.read_text() == render(), "docs/patches.md is stale: python -m vllm_dualgpu.patches.docs"
+    assert doc.read_text() == render(), "docs/patches.md is stale: python -m vllm_dualgpu.patching.docs"
 
 
 def test_model_module_patches_wait_for_the_device():
@@ -111,8 +111,8 @@ def test_device_phase_goes_into_the_rank_summary(caplog):
     summary line; a skipped one also gets a WARNING saying why."""
     from conftest import registry_patch
 
-    from vllm_dualgpu import rank_summary
-    from vllm_dualgpu.patches.core import APPLIED, SKIPPED, Outcome
+    from vllm_dualgpu.engine import rank_summary
+    from vllm_dualgpu.patching.core import APPLIED, SKIPPED, Outcome
 
     caplog.set_level(logging.INFO, logger="vllm.dualgpu")
     logging.getLogger("vllm.dualgpu").propagate = True

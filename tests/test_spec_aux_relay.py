@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from conftest import registry_patch
-from vllm_dualgpu.patches.core import (
+from vllm_dualgpu.patching.core import (
     ALREADY,
     APPLIED,
     SENTINEL,
@@ -33,7 +33,7 @@ from vllm_dualgpu.patches.core import (
     check_patch,
     revert_patch,
 )
-from vllm_dualgpu.patches.registry import PATCHES
+from vllm_dualgpu.patching.registry import PATCHES
 from vllm_dualgpu.process import ACTIVE_ENV
 
 RELAY, FLAG, LAYERS = "qwen3-next-aux-hidden-relay", "qwen3-next-aux-hidden-flag", "qwen3-5-aux-hidden-layers"
@@ -347,7 +347,7 @@ def test_apply_is_idempotent_and_revert_restores(vllm_version, qwen3_5):
 
 @pytest.mark.parametrize("name", [RELAY, LAYERS])
 def test_other_source_is_refused_before_anything_changes(vllm_version, qwen3_5, name):
-    from vllm_dualgpu.patches.source_check import check_in_file
+    from vllm_dualgpu.patching.source_check import check_in_file
 
     patch = registry_patch(name)
     revert_patch(patch)
@@ -355,7 +355,7 @@ def test_other_source_is_refused_before_anything_changes(vllm_version, qwen3_5, 
     assert check_patch(patch, vllm_version).status == "ready"
     assert check_in_file(patch.target, patch.params, patch.source_sha256) == ""
     other = dataclasses.replace(patch, source_sha256="0" * 64)
-    from vllm_dualgpu.patches.core import _function_of, _raw_attr, _resolve_owner
+    from vllm_dualgpu.patching.core import _function_of, _raw_attr, _resolve_owner
 
     before = _function_of(_raw_attr(*_resolve_owner(patch)))
     outcome = apply_patch(other, vllm_version)
@@ -384,7 +384,7 @@ def drafter_config(model_type: str, method: str = "eagle3", architectures=("Qwen
 )
 @pytest.mark.parametrize("method", ["eagle3", "dflash"])
 def test_preflight_accepts_the_family_when_the_relay_applies(model_type, arch, method):
-    from vllm_dualgpu import preflight
+    from vllm_dualgpu.engine import preflight
 
     before = set(sys.modules)
     preflight._check_drafter(drafter_config(model_type, method, (arch,)))
@@ -393,8 +393,8 @@ def test_preflight_accepts_the_family_when_the_relay_applies(model_type, arch, m
 
 
 def test_preflight_refuses_when_a_relay_patch_is_missing_or_would_skip(monkeypatch):
-    from vllm_dualgpu import preflight
-    from vllm_dualgpu.patches import registry
+    from vllm_dualgpu.engine import preflight
+    from vllm_dualgpu.patching import registry
 
     without = tuple(p for p in PATCHES if p.name != LAYERS)
     monkeypatch.setattr(registry, "PATCHES", without)
@@ -418,7 +418,7 @@ def test_preflight_refuses_when_a_relay_patch_is_missing_or_would_skip(monkeypat
 
 
 def test_preflight_keeps_refusing_other_model_types_and_accepts_vllms_own():
-    from vllm_dualgpu import preflight
+    from vllm_dualgpu.engine import preflight
 
     with pytest.raises(preflight.PreflightError, match="which vLLM 0.30 does not do for model type 'deepseek_v3'"):
         preflight._check_drafter(drafter_config("deepseek_v3", architectures=("DeepseekV3ForCausalLM",)))

@@ -204,8 +204,9 @@ def test_aux_layer_ranks(script):
 def rank_line(rank: int, device_phase: list[tuple[str, str]]) -> str:
     """A rank's summary line as the worker logs it, with the device phase noted by the plugin."""
     from conftest import registry_patch
-    from vllm_dualgpu import plugin, rank_summary
-    from vllm_dualgpu.patches.core import Outcome
+    from vllm_dualgpu import plugin
+    from vllm_dualgpu.engine import rank_summary
+    from vllm_dualgpu.patching.core import Outcome
 
     rank_summary.clear()
     try:
@@ -220,7 +221,7 @@ def rank_line(rank: int, device_phase: list[tuple[str, str]]) -> str:
 
 
 def good_eagle3_run(script) -> dict:
-    from vllm_dualgpu.patches.core import APPLIED
+    from vllm_dualgpu.patching.core import APPLIED
 
     line = "INFO x [plugin.py:46] vllm-dualgpu 0.1.0 ({}, pid 1, vLLM 0.30.0): applied {}; skipped none"
     phase = [(n, APPLIED) for n in script.DEVICE_PATCHES]
@@ -251,7 +252,7 @@ def test_eagle3_checks_pass_on_a_good_run(script):
 
 
 def _skip_layers_patch(run, script):
-    from vllm_dualgpu.patches.core import APPLIED, SKIPPED
+    from vllm_dualgpu.patching.core import APPLIED, SKIPPED
 
     run["rank_lines"][1] = rank_line(1, [(script.DEVICE_PATCHES[0], APPLIED), (script.DEVICE_PATCHES[1], SKIPPED)])
 

@@ -21,7 +21,7 @@ from test_spec_decode_pp import (  # noqa: F401  (fixtures and helpers of the it
 )
 
 from vllm_dualgpu.patches import kv_cache_utils as kvp
-from vllm_dualgpu.patches.core import APPLIED, apply_patch, revert_patch
+from vllm_dualgpu.patching.core import APPLIED, apply_patch, revert_patch
 
 PATCH = "kv-drafter-pages-promoted"
 

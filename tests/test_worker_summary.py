@@ -7,8 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_dualgpu import envs, rank_summary
-from vllm_dualgpu import worker as w
+from vllm_dualgpu import envs
+from vllm_dualgpu.engine import rank_summary
+from vllm_dualgpu.engine import worker as w
 
 GiB = 1024**3
 

@@ -8,7 +8,7 @@ import threading
 
 from vllm_dualgpu._version import SUPPORTED_VLLM, __version__
 from vllm_dualgpu.log import logger
-from vllm_dualgpu.patches.core import ALREADY, APPLIED, Outcome, apply_patch, version_in_range
+from vllm_dualgpu.patching.core import ALREADY, APPLIED, Outcome, apply_patch, version_in_range
 from vllm_dualgpu.process import DEVICE, WORKER, current_process_kinds, dualgpu_active, process_label
 
 _lock = threading.Lock()
@@ -24,7 +24,7 @@ def installed_vllm_version() -> str:
 
 def select_patches(kinds: frozenset[str], active: bool):
     """The registry entries for this process. Workers of other executors get none."""
-    from vllm_dualgpu.patches.registry import PATCHES
+    from vllm_dualgpu.patching.registry import PATCHES
 
     if (WORKER in kinds or DEVICE in kinds) and not active:
         return ()
@@ -75,7 +75,7 @@ def ensure(kinds: frozenset[str]) -> list[Outcome]:
 def _note_device_phase(outcomes: list[Outcome]) -> None:
     """The device phase goes into the rank's summary line (one INFO line per process already
     came from register()); a skipped patch still gets its WARNING."""
-    from vllm_dualgpu import rank_summary
+    from vllm_dualgpu.engine import rank_summary
 
     applied, skipped = _applied_and_skipped(outcomes)
     if skipped:

@@ -336,7 +336,7 @@ def dry_run(out: Path, dirs: dict[str, Path]) -> int:
                  "draft_architectures": spec.draft_model_config.architectures if spec else None,
                  "enforce_eager": mc.enforce_eager, "max_model_len": mc.max_model_len}
         if ARMS[arm][0] == "dualgpu":
-            from vllm_dualgpu import preflight
+            from vllm_dualgpu.engine import preflight
 
             facts["preflight_warnings"] = preflight.check(cfg, 2)  # raises if refused
         return facts

@@ -119,7 +119,7 @@ def registry_entry(name: str) -> dict:
     """The plugin registry's patch ``name``: its target, processes, and whether the target exists."""
     import importlib
 
-    from vllm_dualgpu.patches.registry import PATCHES
+    from vllm_dualgpu.patching.registry import PATCHES
 
     p = next(p for p in PATCHES if p.name == name)
     mod, attr = p.target.split(":")

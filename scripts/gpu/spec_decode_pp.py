@@ -339,7 +339,7 @@ def dry_run_eagle3(model: Path, drafter: Path) -> dict:
     from vllm.model_executor.models.registry import ModelRegistry
     from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
 
-    from vllm_dualgpu import preflight
+    from vllm_dualgpu.engine import preflight
 
     cfg = EngineArgs(**engine_kwargs(model, "eagle3", drafter)).create_engine_config()  # preflight inside
     spec = cfg.speculative_config

@@ -52,7 +52,7 @@ def log(msg: str) -> None:
 
 
 def registry_patches():
-    from vllm_dualgpu.patches.registry import PATCHES
+    from vllm_dualgpu.patching.registry import PATCHES
 
     found = {p.name: p for p in PATCHES if p.name in PATCH_NAMES}
     missing = [n for n in PATCH_NAMES if n not in found]
@@ -65,7 +65,7 @@ def check_patches_apply() -> dict:
     """Apply and revert the issue #5 patches in this process; report the outcomes."""
     import vllm
 
-    from vllm_dualgpu.patches.core import APPLIED, apply_patch, revert_patch
+    from vllm_dualgpu.patching.core import APPLIED, apply_patch, revert_patch
 
     out = {}
     for name, p in registry_patches().items():
@@ -114,7 +114,7 @@ def vllm_path_check(config_dir: Path, tuned: dict) -> dict:
     import vllm
 
     from vllm_dualgpu.kernels import fp8_configs, fp8_tuner
-    from vllm_dualgpu.patches.core import apply_patch
+    from vllm_dualgpu.patching.core import apply_patch
 
     os.environ[fp8_configs.ENV_USER_DIR] = str(config_dir)
     fp8_configs.reset_for_tests()

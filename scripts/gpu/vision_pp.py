@@ -157,7 +157,7 @@ def dry_run(out: Path, model: Path) -> int:
                  "image_limit": mc.get_multimodal_config().get_limit_per_prompt("image"),
                  "v2_runner_blockers": cfg._get_v2_model_runner_unsupported_features()}
         if arm == "dualgpu":
-            from vllm_dualgpu import preflight
+            from vllm_dualgpu.engine import preflight
             from vllm_dualgpu.patches.spec_common import is_dualgpu_pp
 
             facts["preflight_warnings"] = preflight.check(cfg, 2)  # raises if refused

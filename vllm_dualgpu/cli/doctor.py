@@ -41,7 +41,7 @@ def bandwidth_class(gbps: float | None) -> str:
 def gpu_lines(read=None) -> tuple[list[str], list]:
     """Lines about each visible GPU, and the GPUs (empty when none or NVML is missing)."""
     if read is None:
-        from vllm_dualgpu.gpus import read_visible_gpus as read
+        from vllm_dualgpu.nvml import read_visible_gpus as read
     try:
         gpus = read()
     except Exception as exc:  # no driver, no NVML, bad CUDA_VISIBLE_DEVICES
@@ -85,10 +85,10 @@ def installed_vllm() -> str | None:
 
 def patch_lines(version: str, patches=None) -> tuple[list[str], list]:
     """One line per registry patch: would it apply to this vLLM (dry run)."""
-    from vllm_dualgpu.patches.core import ALREADY, READY, check_patch
+    from vllm_dualgpu.patching.core import ALREADY, READY, check_patch
 
     if patches is None:
-        from vllm_dualgpu.patches.registry import PATCHES as patches
+        from vllm_dualgpu.patching.registry import PATCHES as patches
     lines = [
         f"Run-time patches for vLLM {version} "
         "(dry run; worker patches act only under the dualgpu executor):"
@@ -150,7 +150,7 @@ def config_lines(gpus, folder: Path | None = None) -> list[str]:
 def report() -> tuple[list[str], int]:
     """The doctor's lines and its exit status."""
     from vllm_dualgpu._version import SUPPORTED_VLLM, __version__
-    from vllm_dualgpu.patches.core import SKIPPED, version_in_range
+    from vllm_dualgpu.patching.core import SKIPPED, version_in_range
 
     version = installed_vllm()
     supported = version is not None and version_in_range(version, SUPPORTED_VLLM)

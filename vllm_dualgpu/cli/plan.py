@@ -202,7 +202,7 @@ def _gpus_as_given(args, have_model: bool):
         return parse_gpus(args.gpus), notes
     if args.gpus or have_model:
         try:
-            from vllm_dualgpu.gpus import read_visible_gpus, to_gpu_facts
+            from vllm_dualgpu.nvml import read_visible_gpus, to_gpu_facts
 
             local = to_gpu_facts(read_visible_gpus())  # honours CUDA_VISIBLE_DEVICES, as vLLM does
         except Exception as e:  # no driver, no pynvml, no GPU

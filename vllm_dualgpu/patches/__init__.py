@@ -1,1 +1,1 @@
-"""Run-time patches of vLLM, declared in :mod:`vllm_dualgpu.patches.registry`."""
+"""Run-time patches of vLLM, declared in :mod:`vllm_dualgpu.patching.registry`."""

@@ -15,7 +15,7 @@ import functools
 from collections.abc import Callable
 
 BACKEND_NAME = "dualgpu"
-EXECUTOR_QUALNAME = "vllm_dualgpu.executor.DualGpuExecutor"
+EXECUTOR_QUALNAME = "vllm_dualgpu.engine.executor.DualGpuExecutor"
 # The bare names vLLM 0.30's Executor.get_class understands itself.
 STOCK_BACKENDS = ("mp", "ray", "uni", "external_launcher")
 
@@ -29,7 +29,7 @@ def resolve_backend(value: object) -> object:
     if not isinstance(value, str):
         return value
     if value == BACKEND_NAME:
-        from vllm_dualgpu.executor import DualGpuExecutor
+        from vllm_dualgpu.engine.executor import DualGpuExecutor
 
         return DualGpuExecutor
     if value in STOCK_BACKENDS or "." in value:
@@ -66,7 +66,7 @@ def wrap_create_engine_config(original: Callable) -> Callable:
             remember_explicit_utilization(self)
         config = original(self, usage_context, headless)
         if ours:
-            from vllm_dualgpu import preflight
+            from vllm_dualgpu.engine import preflight
 
             preflight.check(config, preflight.nvml_gpu_count())
         return config

@@ -139,6 +139,6 @@ def wrap_forward(original: Callable) -> Callable:
 
 def relay_forward_applied(model_cls: type) -> bool:
     """Whether ``model_cls`` runs this package's relaying forward."""
-    from vllm_dualgpu.patches.core import SENTINEL
+    from vllm_dualgpu.patching.core import SENTINEL
 
     return getattr(getattr(model_cls, "forward", None), SENTINEL, None) == RELAY_FORWARD_PATCH

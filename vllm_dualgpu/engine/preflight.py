@@ -3,7 +3,7 @@
 Everything that can be known from the config and the environment is checked here, so a wrong
 setting ends ``vllm serve`` with one clear message instead of a failed engine process. What
 needs the GPUs' free memory is checked by the executor (EngineCore) and, after profiling, by
-:mod:`vllm_dualgpu.fit`.
+:mod:`vllm_dualgpu.engine.context_fit`.
 """
 
 from __future__ import annotations
@@ -108,9 +108,9 @@ def aux_relay_problem(architectures=()) -> str:
     (declared, vLLM version in range, target with the expected parameters and pinned source),
     reading vLLM's files instead of importing its model modules in the front end.
     """
-    from vllm_dualgpu.patches.core import version_in_range
-    from vllm_dualgpu.patches.registry import PATCHES
-    from vllm_dualgpu.patches.source_check import check_in_file
+    from vllm_dualgpu.patching.core import version_in_range
+    from vllm_dualgpu.patching.registry import PATCHES
+    from vllm_dualgpu.patching.source_check import check_in_file
     from vllm_dualgpu.plugin import installed_vllm_version
 
     names = list(AUX_RELAY_PATCHES)
@@ -135,7 +135,7 @@ def nvml_gpu_count() -> int | None:
     try:
         import pynvml
 
-        from vllm_dualgpu.gpus import visible_physical_ids
+        from vllm_dualgpu.nvml import visible_physical_ids
 
         pynvml.nvmlInit()
         try:

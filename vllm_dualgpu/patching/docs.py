@@ -1,6 +1,6 @@
 """Renders docs/patches.md from the registry.
 
-Run from the repository root: ``python -m vllm_dualgpu.patches.docs [--check] [PATH]``.
+Run from the repository root: ``python -m vllm_dualgpu.patching.docs [--check] [PATH]``.
 """
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from vllm_dualgpu.patches.registry import PATCHES
+from vllm_dualgpu.patching.registry import PATCHES
 
 HEADER = """# Run-time patches
 
-Generated from `vllm_dualgpu/patches/registry.py` by `python -m vllm_dualgpu.patches.docs`;
+Generated from `vllm_dualgpu/patching/registry.py` by `python -m vllm_dualgpu.patching.docs`;
 do not edit by hand (a test fails when this file is stale).
 
 Every patch is applied from one place (`vllm_dualgpu.plugin.register`), only in the processes it
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     text = render()
     if "--check" in argv:
         if not target.exists() or target.read_text() != text:
-            print(f"{target} is stale: run python -m vllm_dualgpu.patches.docs", file=sys.stderr)
+            print(f"{target} is stale: run python -m vllm_dualgpu.patching.docs", file=sys.stderr)
             return 1
         return 0
     target.write_text(text)

@@ -1,13 +1,13 @@
 """The one list of run-time patches this package makes to vLLM.
 
-``docs/patches.md`` is generated from it (``python -m vllm_dualgpu.patches.docs``), and a test
+``docs/patches.md`` is generated from it (``python -m vllm_dualgpu.patching.docs``), and a test
 fails when the file is stale. Each entry says what it changes, where, for which vLLM releases,
 why, which upstream issue or PR it relates to, and when it can go.
 """
 
 from __future__ import annotations
 
-from vllm_dualgpu.patches.core import Patch
+from vllm_dualgpu.patching.core import Patch
 from vllm_dualgpu.process import DEVICE, ENGINE, FRONTEND, WORKER
 
 V030 = ">=0.30.0,<0.31"
@@ -64,7 +64,7 @@ PATCHES: tuple[Patch, ...] = (
         upstream="none in vLLM (the same device-0 gates are reported in the 1CatAI/1Cat-vLLM "
         "fork, issue #412)",
         remove_when="vLLM's capability queries default to the current device",
-        factory="vllm_dualgpu.platform:wrap_get_device_capability",
+        factory="vllm_dualgpu.patches.device_identity:wrap_get_device_capability",
         params=("cls", "device_id"),
         issue="#4",
     ),
@@ -79,7 +79,7 @@ PATCHES: tuple[Patch, ...] = (
         ),
         upstream="none in vLLM",
         remove_when="vLLM's capability queries default to the current device",
-        factory="vllm_dualgpu.platform:wrap_get_device_capability",
+        factory="vllm_dualgpu.patches.device_identity:wrap_get_device_capability",
         params=("cls", "device_id"),
         issue="#4",
     ),
@@ -97,7 +97,7 @@ PATCHES: tuple[Patch, ...] = (
         ),
         upstream="none in vLLM",
         remove_when="vLLM's device-name queries default to the current device",
-        factory="vllm_dualgpu.platform:wrap_nvml_get_device_name",
+        factory="vllm_dualgpu.patches.device_identity:wrap_nvml_get_device_name",
         params=("cls", "device_id"),
         issue="#4",
     ),
@@ -112,7 +112,7 @@ PATCHES: tuple[Patch, ...] = (
         ),
         upstream="none in vLLM",
         remove_when="vLLM's device-name queries default to the current device",
-        factory="vllm_dualgpu.platform:wrap_visible_get_device_name",
+        factory="vllm_dualgpu.patches.device_identity:wrap_visible_get_device_name",
         params=("cls", "device_id"),
         issue="#4",
     ),
@@ -130,7 +130,7 @@ PATCHES: tuple[Patch, ...] = (
         ),
         upstream="none in vLLM",
         remove_when="vLLM names tuned configs by the current device",
-        factory="vllm_dualgpu.platform:wrap_get_device_name_as_file_name",
+        factory="vllm_dualgpu.patches.device_identity:wrap_get_device_name_as_file_name",
         params=("device_id",),
         copies=(
             "vllm.model_executor.layers.fused_moe.fused_moe",

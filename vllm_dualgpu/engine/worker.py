@@ -16,7 +16,8 @@ import sys
 import torch
 from vllm.v1.worker.gpu_worker import Worker
 
-from vllm_dualgpu import envs, plugin, rank_summary
+from vllm_dualgpu import envs, plugin
+from vllm_dualgpu.engine import rank_summary
 from vllm_dualgpu.log import logger
 from vllm_dualgpu.process import DEVICE, WORKER
 

@@ -165,7 +165,7 @@ def _check(patch: Patch, vllm_version: str) -> Outcome | _Checked:
             f"{patch.target} takes ({', '.join(found)}), expected ({', '.join(patch.params)})",
         )
     if patch.source_sha256:
-        from vllm_dualgpu.patches.source_check import function_digest, source_mismatch
+        from vllm_dualgpu.patching.source_check import function_digest, source_mismatch
 
         try:
             digest = function_digest(original)

@@ -51,7 +51,7 @@ class DualGpuExecutor(MultiprocExecutor):
                     f"its '{current_platform.device_name}' platform here. Use "
                     "--distributed-executor-backend mp on this machine."
                 )
-            from vllm_dualgpu.apply import apply_plan
+            from vllm_dualgpu.engine.planning import apply_plan
             from vllm_dualgpu.kernels.flashinfer import apply_flashinfer_autotune_policy
 
             self.dualgpu = apply_plan(self.vllm_config)
@@ -65,7 +65,7 @@ class DualGpuExecutor(MultiprocExecutor):
     def determine_available_memory(self) -> list[int]:
         available = super().determine_available_memory()
         if self.dualgpu is not None:
-            from vllm_dualgpu.fit import check_context_fits
+            from vllm_dualgpu.engine.context_fit import check_context_fits
 
             check_context_fits(self.vllm_config, self.get_kv_cache_specs(), available, self.dualgpu)
         return available

@@ -4,7 +4,7 @@ Runs in the EngineCore process (no CUDA context there). What it changes:
 - ``parallel_config.assigned_physical_gpu_ids``: which GPU each pipeline rank uses (the card
   with the most memory last: it holds the output head and the drafter);
 - ``VLLM_PP_LAYER_PARTITION`` (unless the user set it): the layer split;
-- ``parallel_config.worker_cls``: :class:`vllm_dualgpu.worker.DualGpuWorker`, which gives each
+- ``parallel_config.worker_cls``: :class:`vllm_dualgpu.engine.worker.DualGpuWorker`, which gives each
   rank its own memory budget (free memory minus a reserve) and logs one summary line;
 - ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` so CUDA and NVML number the GPUs the same way.
 """
@@ -16,11 +16,11 @@ import os
 from dataclasses import dataclass
 
 from vllm_dualgpu import envs
-from vllm_dualgpu.gpus import VisibleGpu, read_visible_gpus
+from vllm_dualgpu.nvml import VisibleGpu, read_visible_gpus
 from vllm_dualgpu.log import logger
 
 STOCK_WORKER = "vllm.v1.worker.gpu_worker.Worker"
-OUR_WORKER = "vllm_dualgpu.worker.DualGpuWorker"
+OUR_WORKER = "vllm_dualgpu.engine.worker.DualGpuWorker"
 GiB = 1024**3
 
 
@@ -72,7 +72,7 @@ def plan_request(vllm_config, user_partition: list[int] | None):
 
 
 def _patch_declared(name: str) -> bool:
-    from vllm_dualgpu.patches.registry import PATCHES
+    from vllm_dualgpu.patching.registry import PATCHES
 
     return any(p.name == name for p in PATCHES)
 
@@ -95,7 +95,7 @@ def choose_gpus(visible: list[VisibleGpu], pp_size: int) -> list[VisibleGpu]:
 
 
 def apply_plan(vllm_config) -> AppliedPlan:
-    from vllm_dualgpu.gpus import to_gpu_facts
+    from vllm_dualgpu.nvml import to_gpu_facts
     from vllm_dualgpu.planner import ModelSpec
 
     pc = vllm_config.parallel_config
@@ -163,7 +163,7 @@ def apply_plan(vllm_config) -> AppliedPlan:
 
 
 # A predicted shortfall this small is left to vLLM's measurement (the memory model is an estimate;
-# docs/benchmarks.md): the split is planned for what fits, and vllm_dualgpu.fit checks after
+# docs/benchmarks.md): the split is planned for what fits, and vllm_dualgpu.engine.context_fit checks after
 # profiling. A larger one fails here, before any weights load.
 CONTEXT_MARGIN = 0.05
 

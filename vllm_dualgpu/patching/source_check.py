@@ -1,7 +1,7 @@
 """The source a patch was written against: one digest, read live or from the file on disk.
 
 A patch that replaces a function's body (instead of wrapping it) pins the digest of the source it
-mirrors (``Patch.source_sha256``); :mod:`vllm_dualgpu.patches.core` skips it when the installed
+mirrors (``Patch.source_sha256``); :mod:`vllm_dualgpu.patching.core` skips it when the installed
 function's source differs. The front end needs the same answer without importing the module
 (vLLM keeps model modules out of the API-server process), so :func:`check_in_file` finds the
 function in the module's file with :mod:`ast` and digests the same lines.
