@@ -8,6 +8,7 @@ import logging
 import pytest
 
 from vllm_dualgpu import envs
+from vllm_dualgpu.engine import handoff
 from vllm_dualgpu.engine import planning as apply
 from vllm_dualgpu.nvml import VisibleGpu
 
@@ -65,10 +66,13 @@ def restore_environ():
     """apply_plan exports variables for the workers it is about to spawn; undo that."""
     import os
 
+    from vllm_dualgpu.engine import partition
+
     saved = dict(os.environ)
     yield
     os.environ.clear()
     os.environ.update(saved)
+    partition._exported = None
 
 
 @pytest.fixture
@@ -77,8 +81,7 @@ def big_first_pair(monkeypatch):
     gpus = [VisibleGpu(0, "NVIDIA H200", H200_TOTAL, 32 * GiB, (9, 0), 4800.0, "GPU-a"),
             VisibleGpu(1, "NVIDIA H200", H200_TOTAL, 16 * GiB, (9, 0), 4800.0, "GPU-b")]
     monkeypatch.setattr(apply, "read_visible_gpus", lambda: gpus)
-    for var in ("VLLM_PP_LAYER_PARTITION", envs.RESERVE, envs.RANK_RESERVES, envs.RANK_CAPS,
-                "CUDA_VISIBLE_DEVICES", envs.PLAN_FILE):
+    for var in ("VLLM_PP_LAYER_PARTITION", envs.RESERVE, "CUDA_VISIBLE_DEVICES", envs.PLAN_FILE):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     return gpus
@@ -96,7 +99,11 @@ def test_big_card_last_and_split_applied(make_config, big_first_pair):
     # The small card gets fewer layers, and the split beats an even one by a wide margin.
     assert split[0] < split[1] and sum(split) == 40
     assert cfg.parallel_config.worker_cls == apply.OUR_WORKER
-    assert os.environ[envs.RANK_RESERVES] == f"{envs.DEFAULT_RESERVE_BYTES},{envs.DEFAULT_RESERVE_BYTES}"
+    record = handoff.load(cfg)
+    assert [r.reserve_bytes for r in record.ranks] == [envs.DEFAULT_RESERVE_BYTES] * 2
+    assert [r.physical_gpu_id for r in record.ranks] == [1, 0]
+    assert record.partition == tuple(split) and record.partition_source == "plan"
+    assert not any(k.startswith("VLLM_DUALGPU_RANK") for k in os.environ)
 
 
 def test_pool_beats_the_even_split(make_config, big_first_pair, monkeypatch):
@@ -123,22 +130,28 @@ def test_per_gpu_reserve_follows_the_gpu_not_the_rank(make_config, big_first_pai
     import os
 
     monkeypatch.setenv(envs.RESERVE, "1GiB,0")  # 1 GiB kept free on GPU 0 (the big one, last rank)
-    apply.apply_plan(make_config())
-    assert os.environ[envs.RANK_RESERVES] == f"0,{GiB}"
+    cfg = make_config()
+    apply.apply_plan(cfg)
+    assert [r.reserve_bytes for r in handoff.load(cfg).ranks] == [0, GiB]
 
 
 def test_explicit_utilization_caps_each_rank(make_config, big_first_pair):
     import os
 
-    applied = apply.apply_plan(make_config(gpu_memory_utilization=0.1))
+    cfg = make_config(gpu_memory_utilization=0.1)
+    applied = apply.apply_plan(cfg)
     cap = int(0.1 * H200_TOTAL)
-    assert os.environ[envs.RANK_CAPS] == f"{cap},{cap}"
+    record = handoff.load(cfg)
+    assert [r.cap_bytes for r in record.ranks] == [cap, cap]
     # The plan budgets what the workers will get (seen on GPUs: a prediction from the uncapped
     # budget made the summary line's non-KV prediction negative).
     assert [r.budget_bytes for r in applied.plan.ranks] == [min(cap, 16 * GiB - envs.DEFAULT_RESERVE_BYTES),
                                                             min(cap, 32 * GiB - envs.DEFAULT_RESERVE_BYTES)]
-    predicted = [int(x) for x in os.environ[envs.RANK_PREDICTED].split(",")]
-    assert all(0 < kv < cap for kv in predicted)
+    assert all(0 < kv < cap for kv in (r.kv_budget_bytes for r in applied.plan.ranks))
+    # What the workers compare vLLM's profile with: budget - KV budget, less the CUDA context.
+    for r, rec in zip(applied.plan.ranks, record.ranks):
+        assert rec.predicted_non_kv_bytes == r.budget_bytes - r.kv_budget_bytes - r.fixed_detail["cuda_context"]
+        assert 0 < rec.predicted_non_kv_bytes < cap
 
 
 def test_plan_file(make_config, big_first_pair, monkeypatch, tmp_path):
@@ -156,14 +169,15 @@ def test_each_rank_gets_its_prediction(make_config, big_first_pair):
 
     from vllm_dualgpu.engine.worker import profiled_vs_predicted
 
-    applied = apply.apply_plan(make_config())
-    predicted = [envs.rank_values(envs.RANK_PREDICTED, r) for r in range(2)]
-    assert predicted == [r.kv_budget_bytes for r in applied.plan.ranks]
-    assert all(p > 0 for p in predicted) and os.environ[envs.RANK_PREDICTED].count(",") == 1
-    # Rank 0 sits on the 16 GiB card, rank 1 on the 32 GiB one: rank 1's KV budget is larger.
-    assert predicted[1] > predicted[0]
+    cfg = make_config()
+    applied = apply.apply_plan(cfg)
+    predicted = [r.predicted_non_kv_bytes for r in handoff.load(cfg).ranks]
+    assert all(p > 0 for p in predicted)
+    # Rank 1 (the 32 GiB card) holds 29 of 40 layers and the head: it pays more besides KV.
+    assert applied.plan.partition[1] > applied.plan.partition[0] and predicted[1] > predicted[0]
     requested = 15 * GiB
-    line = profiled_vs_predicted(requested, predicted[0] - 100 * 2**20, predicted[0])
+    # vLLM measured 100 MiB more than predicted: its KV is 100 MiB smaller than requested - predicted.
+    line = profiled_vs_predicted(requested, requested - predicted[0] - 100 * 2**20, predicted[0])
     assert "+100 MiB" in line and "measured by vLLM" in line
 
 
@@ -194,3 +208,24 @@ def test_block_size_is_an_override_only_when_the_user_gave_it(make_config):
     """vLLM fills in a default block size; the plan must not report it as the user's choice."""
     assert apply.plan_request(make_config(), None).block_size is None
     assert apply.plan_request(make_config(block_size=32), None).block_size == 32
+
+
+def test_a_second_plan_in_one_process_does_not_take_the_first_as_the_users(make_config, big_first_pair, tmp_path):
+    """With multiprocessing off, a second LLM(...) plans in the process that exported the first
+    plan's VLLM_PP_LAYER_PARTITION; that value is the plugin's, not the user's."""
+    import os
+
+    first = make_config()
+    apply.apply_plan(first)
+    exported = os.environ["VLLM_PP_LAYER_PARTITION"]
+    assert handoff.load(first).partition_source == "plan"
+    # A second model with 28 layers: the first export (summing to 40) would not even parse as
+    # its split if it were taken for the user's.
+    d = tmp_path / "q14-28"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({**Q14_FP8, "num_hidden_layers": 28}))
+    second = make_config(model=str(d))
+    assert handoff.frontend_settings(second)["user_partition"] is None
+    applied = apply.apply_plan(second)
+    assert handoff.load(second).partition_source == "plan" and sum(applied.plan.partition) == 28
+    assert ",".join(map(str, applied.plan.partition)) == os.environ["VLLM_PP_LAYER_PARTITION"] != exported

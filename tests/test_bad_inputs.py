@@ -206,9 +206,9 @@ def test_20_unsupported_vllm_version_patches_nothing(monkeypatch, caplog):
 def test_21_worker_with_no_room_left():
     from vllm_dualgpu.engine.worker import rank_budget
 
-    assert rank_budget(free=GiB, total=16 * GiB, reserve=2 * GiB, cap=None) < 0
-    assert rank_budget(free=10 * GiB, total=16 * GiB, reserve=GiB, cap=8 * GiB) == 8 * GiB
-    assert rank_budget(free=10 * GiB, total=16 * GiB, reserve=GiB, cap=None) == 9 * GiB
+    assert rank_budget(GiB, 2 * GiB, None) < 0
+    assert rank_budget(10 * GiB, GiB, 8 * GiB) == 8 * GiB
+    assert rank_budget(10 * GiB, GiB, None) == 9 * GiB
 
 
 # --- end to end: `vllm serve` exits with the message and leaves nothing running ------------------
@@ -259,11 +259,11 @@ def test_23_out_of_memory_in_warm_up_exits_with_advice(monkeypatch, caplog):
     """A rank that runs out of memory after KV sizing must end, not leave its peer waiting."""
     import torch
 
+    from vllm_dualgpu.engine import handoff
     from vllm_dualgpu.engine import worker as w
 
     caplog.set_level(logging.ERROR, logger="vllm.dualgpu")
     logging.getLogger("vllm.dualgpu").propagate = True
-    monkeypatch.setenv(envs.RANK_RESERVES, f"0,{256 * 1024**2}")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (441 * 1024**2, 140 * GiB))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "NVIDIA H200")
 
@@ -273,6 +273,7 @@ def test_23_out_of_memory_in_warm_up_exits_with_advice(monkeypatch, caplog):
     monkeypatch.setattr(w.os, "_exit", fake_exit)
     worker = object.__new__(w.DualGpuWorker)
     worker.rank, worker.device = 1, "cuda:1"
+    worker._dualgpu_rank = handoff.RankRecord(1, 0, "NVIDIA H200", 256 * 1024**2, None, 29, None)
     with pytest.raises(SystemExit) as done:
         worker._exit_on_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 544.00 MiB"))
     assert done.value.code == 1

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from vllm_dualgpu import envs
-from vllm_dualgpu.engine import rank_summary
+from vllm_dualgpu.engine import handoff, rank_summary
 from vllm_dualgpu.engine import worker as w
 
 GiB = 1024**3
@@ -19,8 +19,8 @@ def fake_rank(monkeypatch):
     import torch
 
     rank_summary.clear()
-    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "11,29")
-    monkeypatch.setenv(envs.RANK_PREDICTED, f"{5 * GiB},{14 * GiB}")
+    # An exported split that is not the plan's must not be what the summary reports.
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "20,20")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (int(1.5 * GiB), 140 * GiB))
     r = object.__new__(w.DualGpuWorker)
     r.rank, r.device = 1, "cuda:1"
@@ -29,6 +29,11 @@ def fake_rank(monkeypatch):
     r.model_runner = SimpleNamespace(model_memory_usage=int(10.52 * GiB))
     r._dualgpu_kv_bytes = 9261 * 29 * 65536
     r._pp_position = lambda: (1, 2)
+    r._dualgpu_plan = handoff.Handoff(
+        ranks=(handoff.RankRecord(0, 1, "NVIDIA H200", GiB, None, 11, 5 * GiB),
+               handoff.RankRecord(1, 0, "NVIDIA H200", GiB, None, 29, 14 * GiB)),
+        partition=(11, 29), partition_source="plan")
+    r._dualgpu_rank = r._dualgpu_plan.ranks[1]
     yield r
     rank_summary.clear()
 
@@ -65,15 +70,72 @@ def test_kv_bytes_count_the_one_backing_allocation_once():
 
 def test_profile_is_compared_with_the_plan():
     # Measured on two H200s (docs/benchmarks.md, split 10/30, rank 0): budget 13.57 GiB, vLLM
-    # left 5.67 GiB for KV; a plan that predicted 5.69 GiB is 20 MiB off.
-    line = w.profiled_vs_predicted(int(13.57 * GiB), int(5.67 * GiB), int(5.69 * GiB))
+    # left 5.67 GiB for KV; a plan that predicted 5.69 GiB of KV (7.88 GiB besides) is 20 MiB off.
+    line = w.profiled_vs_predicted(int(13.57 * GiB), int(5.67 * GiB), int(13.57 * GiB) - int(5.69 * GiB))
     assert line == "7.90 GiB measured by vLLM, predicted 7.88 GiB (+20 MiB, +0.3%)"
     assert w.profiled_vs_predicted(10 * GiB, 4 * GiB, None) == "6.00 GiB (no plan to compare)"
 
 
 def test_rank_budget_respects_reserve_and_cap():
-    assert w.rank_budget(free=14 * GiB, total=16 * GiB, reserve=GiB, cap=None) == 13 * GiB
-    assert w.rank_budget(free=14 * GiB, total=16 * GiB, reserve=GiB, cap=8 * GiB) == 8 * GiB
+    assert w.rank_budget(14 * GiB, GiB, None) == 13 * GiB
+    assert w.rank_budget(14 * GiB, GiB, 8 * GiB) == 8 * GiB
+
+
+def test_an_even_split_is_reported_as_such(fake_rank, caplog):
+    caplog.set_level(logging.INFO, logger="vllm.dualgpu")
+    logging.getLogger("vllm.dualgpu").propagate = True
+    fake_rank._dualgpu_plan = handoff.Handoff(fake_rank._dualgpu_plan.ranks, (20, 20), "even")
+    fake_rank._log_summary()
+    (line,) = [r.getMessage() for r in caplog.records if "vllm-dualgpu rank" in r.getMessage()]
+    assert "layers: even split" in line
+
+
+def test_the_worker_reads_its_record_from_the_config_it_received():
+    """The record travels in additional_config (pickled to spawned workers) and reads back typed."""
+    import pickle
+
+    from vllm.config import VllmConfig
+
+    plan = handoff.Handoff((handoff.RankRecord(0, 3, "RTX 4070 Ti SUPER", GiB, 12 * GiB, 13, 7 * GiB),
+                            handoff.RankRecord(1, 1, "RTX 5090", 0, None, 51, 20 * GiB)), (13, 51), "plan")
+    cfg = VllmConfig()
+    handoff.update_settings(cfg, gpu_memory_utilization=0.8)
+    handoff.store(cfg, plan)
+    received = pickle.loads(pickle.dumps(cfg))
+    assert handoff.load(received) == plan
+    assert handoff.load(received).rank(1).physical_gpu_id == 1 and handoff.load(received).rank(2) is None
+    assert handoff.frontend_settings(received)["gpu_memory_utilization"] == 0.8
+    assert handoff.load(VllmConfig()) is None
+
+
+def test_the_record_keeps_the_compile_cache_key_stable():
+    """vLLM hashes additional_config into its compile-cache key: two boots of one command on the
+    same cards give the same record even when free memory moved (the record holds no free memory
+    or KV budget)."""
+    from vllm.config import VllmConfig
+
+    def boot(free):
+        from vllm_dualgpu.engine import planning
+        from vllm_dualgpu.nvml import VisibleGpu
+        from vllm_dualgpu.planner import ModelSpec, PlanRequest, plan
+
+        gpus = [VisibleGpu(0, "NVIDIA H200", 140 * GiB, free[0], (9, 0), 4800.0, "a"),
+                VisibleGpu(1, "NVIDIA H200", 140 * GiB, free[1], (9, 0), 4800.0, "b")]
+        from vllm_dualgpu.nvml import to_gpu_facts
+
+        model = ModelSpec.from_hf_config({
+            "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 2048,
+            "intermediate_size": 6144, "num_hidden_layers": 28, "num_attention_heads": 16,
+            "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+            "max_position_embeddings": 40960, "torch_dtype": "bfloat16"})
+        result = plan(model, to_gpu_facts(gpus, [GiB, GiB]), PlanRequest(max_model_len=8192, layer_partition=[12, 16]))
+        cfg = VllmConfig()
+        handoff.store(cfg, planning._handoff(result, [gpus[i] for i in result.order], [12, 16]))
+        return cfg.compute_hash(), result
+
+    (h1, r1), (h2, r2) = boot((30 * GiB, 16 * GiB)), boot((29 * GiB, 15 * GiB))
+    assert r1.ranks[0].kv_budget_bytes != r2.ranks[0].kv_budget_bytes
+    assert h1 == h2
 
 
 class _FakeDist:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 
 # Per-GPU memory kept free for other programs (a desktop, a browser), in visible-GPU order.
 RESERVE = "VLLM_DUALGPU_RESERVE"
@@ -11,14 +10,8 @@ RESERVE = "VLLM_DUALGPU_RESERVE"
 DEFAULT_RESERVE_BYTES = 1024**3
 # What the split search maximises: pool (default), speed or auto (see docs/planner.md).
 OBJECTIVE = "VLLM_DUALGPU_OBJECTIVE"
-# Set by the executor for its workers: each rank's predicted KV budget in bytes, in rank order.
-RANK_PREDICTED = "VLLM_DUALGPU_RANK_PREDICTED"
 # Where the executor writes the plan it applied, as JSON (optional).
 PLAN_FILE = "VLLM_DUALGPU_PLAN_FILE"
-# Set by the executor for its workers: each rank's reserve in bytes, in rank order.
-RANK_RESERVES = "VLLM_DUALGPU_RANK_RESERVES"
-# Set by the executor for its workers: a per-rank cap on the budget (explicit utilization).
-RANK_CAPS = "VLLM_DUALGPU_RANK_CAPS"
 
 def parse_size(text: str, *, what: str = "size") -> int:
     """'1.5GiB' -> bytes: the planner's reader (bare numbers are GiB below 1024, else bytes)."""
@@ -27,20 +20,30 @@ def parse_size(text: str, *, what: str = "size") -> int:
     return _parse(text, what=what)
 
 
-def parse_reserve(text: str | None, num_gpus: int) -> list[int]:
-    """``VLLM_DUALGPU_RESERVE``: one size for every GPU, or one per visible GPU ('0,1.5GiB')."""
+def parse_reserve_sizes(text: str | None) -> list[int]:
+    """``VLLM_DUALGPU_RESERVE`` as sizes: one for every GPU, or one per visible GPU ('0,1.5GiB');
+    unset or empty: the default for every GPU (one value)."""
     if text is None or text.strip() == "":
-        return [DEFAULT_RESERVE_BYTES] * num_gpus
-    parts = [p for p in text.split(",")]
-    sizes = [parse_size(p, what=RESERVE) for p in parts]
+        return [DEFAULT_RESERVE_BYTES]
+    return [parse_size(p, what=RESERVE) for p in text.split(",")]
+
+
+def expand_reserves(sizes: list[int], num_gpus: int, text: str | None = None) -> list[int]:
+    """One reserve per visible GPU from :func:`parse_reserve_sizes`' sizes."""
     if len(sizes) == 1:
         return sizes * num_gpus
     if len(sizes) != num_gpus:
+        shown = text if text is not None else ",".join(map(str, sizes))
         raise ValueError(
-            f"{RESERVE}={text!r} names {len(sizes)} reserves for {num_gpus} visible GPUs; give "
+            f"{RESERVE}={shown!r} names {len(sizes)} reserves for {num_gpus} visible GPUs; give "
             f"one value for all or exactly {num_gpus} comma-separated values in visible-GPU order"
         )
-    return sizes
+    return list(sizes)
+
+
+def parse_reserve(text: str | None, num_gpus: int) -> list[int]:
+    """``VLLM_DUALGPU_RESERVE`` for ``num_gpus`` visible GPUs (the offline ``plan`` command)."""
+    return expand_reserves(parse_reserve_sizes(text), num_gpus, text)
 
 
 def parse_partition(text: str | None, num_layers: int, pp_size: int) -> list[int] | None:
@@ -60,10 +63,3 @@ def parse_partition(text: str | None, num_layers: int, pp_size: int) -> list[int
         )
     return parts
 
-
-def rank_values(env: str, rank: int) -> int | None:
-    text = os.environ.get(env)
-    if not text:
-        return None
-    values = [int(v) for v in text.split(",")]
-    return values[rank] if rank < len(values) else None

@@ -106,8 +106,10 @@ def read_visible_gpus() -> list[VisibleGpu]:
         pynvml.nvmlShutdown()
 
 
-def to_gpu_facts(gpus: list[VisibleGpu], reserves: list[int] | None = None) -> list:
-    """The planner's view of these GPUs (``GpuFacts``), indexed by their position in the list."""
+def to_gpu_facts(gpus: list[VisibleGpu], reserves: list[int] | None = None,
+                 caps: list[int] | None = None) -> list:
+    """The planner's view of these GPUs (``GpuFacts``), indexed by their position in the list;
+    ``caps``: each card's budget ceiling (an explicit --gpu-memory-utilization)."""
     from vllm_dualgpu.planner.gpus import GpuFacts
 
     return [
@@ -120,6 +122,7 @@ def to_gpu_facts(gpus: list[VisibleGpu], reserves: list[int] | None = None) -> l
             capability=g.capability,
             reserve_bytes=reserves[i] if reserves else 0,
             nvlink=g.nvlink,
+            cap_bytes=caps[i] if caps else None,
         ).with_known_defaults()
         for i, g in enumerate(gpus)
     ]

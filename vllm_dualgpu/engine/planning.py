@@ -3,7 +3,9 @@
 Runs in the EngineCore process (no CUDA context there). What it changes:
 - ``parallel_config.assigned_physical_gpu_ids``: which GPU each pipeline rank uses (the card
   with the most memory last: it holds the output head and the drafter);
-- ``VLLM_PP_LAYER_PARTITION`` (unless the user set it): the layer split;
+- ``VLLM_PP_LAYER_PARTITION`` (unless the user set it): the layer split, vLLM's interface for it;
+- ``additional_config["dualgpu"]["plan"]``: each rank's reserve, cap and predicted costs, read
+  once by each worker (:mod:`vllm_dualgpu.engine.handoff`);
 - ``parallel_config.worker_cls``: :class:`vllm_dualgpu.engine.worker.DualGpuWorker`, which gives each
   rank its own memory budget (free memory minus a reserve) and logs one summary line;
 - ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` so CUDA and NVML number the GPUs the same way.
@@ -16,6 +18,7 @@ import os
 from dataclasses import dataclass
 
 from vllm_dualgpu import envs
+from vllm_dualgpu.engine import handoff, partition
 from vllm_dualgpu.nvml import VisibleGpu, read_visible_gpus
 from vllm_dualgpu.log import logger
 
@@ -118,30 +121,23 @@ def apply_plan(vllm_config) -> AppliedPlan:
             "needs NVIDIA GPUs and their driver; on other hardware use "
             "--distributed-executor-backend mp."
         ) from exc
-    reserves_visible = envs.parse_reserve(os.environ.get(envs.RESERVE), len(visible))
+    settings = _settings(vllm_config)
+    reserves_visible = envs.expand_reserves(settings["reserve_bytes"], len(visible))
     used = choose_gpus(visible, pp)
     model = ModelSpec.from_hf_config(
         vllm_config.model_config.hf_config.to_dict(),
         quantization=vllm_config.model_config.quantization,
     )
-    user_partition = envs.parse_partition(
-        os.environ.get("VLLM_PP_LAYER_PARTITION"), model.num_layers, pp
-    )
-    caps = _utilization_caps(_explicit_utilization(vllm_config), [g.total_bytes for g in used])
-    facts = _capped(to_gpu_facts(used, reserves_visible[: len(used)]), caps)
+    user_partition = settings["user_partition"]
+    caps = _utilization_caps(settings.get("gpu_memory_utilization"), [g.total_bytes for g in used])
+    facts = to_gpu_facts(used, reserves_visible[: len(used)], caps)
     result = plan_or_explain(model, facts, plan_request(vllm_config, user_partition))
 
     ranked = [used[i] for i in result.order]
-    reserves = [reserves_visible[i] for i in result.order]
     pc.assigned_physical_gpu_ids = [g.physical_id for g in ranked]
-    partition = result.partition_env()
-    if user_partition is None and partition:
-        os.environ["VLLM_PP_LAYER_PARTITION"] = partition
-    os.environ[envs.RANK_RESERVES] = ",".join(str(r) for r in reserves)
-    # Each rank's predicted KV budget: its summary line compares vLLM's profile with it.
-    os.environ[envs.RANK_PREDICTED] = ",".join(str(r.kv_budget_bytes) for r in result.ranks)
-    if caps is not None:
-        os.environ[envs.RANK_CAPS] = ",".join(str(caps[i]) for i in result.order)
+    record = _handoff(result, ranked, user_partition)
+    partition.export(record.partition if record.partition_source == "plan" else None)
+    handoff.store(vllm_config, record)
     if pc.worker_cls == STOCK_WORKER:
         pc.worker_cls = OUR_WORKER
     else:
@@ -160,6 +156,38 @@ def apply_plan(vllm_config) -> AppliedPlan:
     )
     _write_plan_file(result, ranked)
     return AppliedPlan(result, ranked)
+
+
+def _settings(vllm_config) -> dict:
+    """The front end's capture of the user's settings (preflight); captured here when the
+    executor was selected without the front end's wrapper (a class passed directly)."""
+    settings = handoff.frontend_settings(vllm_config)
+    if "reserve_bytes" not in settings:
+        from vllm_dualgpu.engine import preflight
+
+        preflight.capture_settings(vllm_config)
+        settings = handoff.frontend_settings(vllm_config)
+    return settings
+
+
+def _handoff(result, ranked: list[VisibleGpu], user_partition) -> handoff.Handoff:
+    """The per-rank record the workers read (see engine/handoff.py for what it may hold)."""
+    ranks = []
+    for r, g in zip(result.ranks, ranked):
+        context = r.fixed_detail.get("cuda_context", 0)
+        ranks.append(handoff.RankRecord(
+            rank=r.rank,
+            physical_gpu_id=g.physical_id,
+            gpu_name=g.name,
+            reserve_bytes=r.gpu.reserve_bytes,
+            cap_bytes=r.gpu.cap_bytes,
+            num_layers=r.num_layers,
+            # What vLLM's profile will charge besides the KV cache: the planner's fixed costs,
+            # weights and reserves, less the CUDA context vLLM's start snapshot already holds.
+            predicted_non_kv_bytes=r.budget_bytes - r.kv_budget_bytes - context,
+        ))
+    source = "user" if user_partition is not None else ("plan" if result.partition_env() else "even")
+    return handoff.Handoff(tuple(ranks), tuple(result.partition), source)
 
 
 # A predicted shortfall this small is left to vLLM's measurement (the memory model is an estimate;
@@ -199,25 +227,9 @@ def _write_plan_file(result, ranked: list[VisibleGpu]) -> None:
         json.dump(data, f, indent=1)
 
 
-def _explicit_utilization(vllm_config) -> float | None:
-    """The user's own --gpu-memory-utilization (None when vLLM's default applies)."""
-    return (vllm_config.additional_config or {}).get("dualgpu", {}).get("gpu_memory_utilization")
-
-
 def _utilization_caps(util: float | None, totals: list[int]) -> list[int] | None:
     """An explicit --gpu-memory-utilization caps each rank at that share of its total."""
     return None if util is None else [int(util * t) for t in totals]
-
-
-def _capped(facts: list, caps: list[int] | None) -> list:
-    """GPU facts whose budget (free - reserve) is at most each GPU's cap, as the worker caps it
-    (worker.rank_budget): the plan then predicts what the ranks will really get. Free memory in
-    the plan's report is then the free memory the cap leaves to vLLM."""
-    if caps is None:
-        return facts
-    from dataclasses import replace
-
-    return [replace(f, free_bytes=min(f.free_bytes, cap + f.reserve_bytes)) for f, cap in zip(facts, caps)]
 
 
 def _overrides(vllm_config, user_partition) -> list[str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 from vllm_dualgpu import envs
+from vllm_dualgpu.engine import handoff, partition
 from vllm_dualgpu.log import logger
 
 # Speculative methods that relay auxiliary hidden states between pipeline stages, and the
@@ -40,14 +41,7 @@ def check(vllm_config, nvml_gpu_count: int | None = None) -> list[str]:
     warnings: list[str] = []
     if pc.pipeline_parallel_size < 2:
         return warnings
-    reserve_text = os.environ.get(envs.RESERVE)
-    if reserve_text:
-        # Syntax always; the count once NVML says how many GPUs are visible.
-        count = nvml_gpu_count if nvml_gpu_count is not None else len(reserve_text.split(","))
-        envs.parse_reserve(reserve_text, count)
-    envs.parse_partition(
-        os.environ.get("VLLM_PP_LAYER_PARTITION"), num_hidden_layers(vllm_config), pc.pipeline_parallel_size
-    )
+    capture_settings(vllm_config, nvml_gpu_count)
     if nvml_gpu_count is not None:
         if nvml_gpu_count < pc.world_size:
             raise PreflightError(
@@ -71,6 +65,24 @@ def check(vllm_config, nvml_gpu_count: int | None = None) -> list[str]:
     for w in warnings:
         logger.warning("vllm-dualgpu: %s", w)
     return warnings
+
+
+def capture_settings(vllm_config, nvml_gpu_count: int | None = None) -> None:
+    """Read the user's settings once, here, and hand them to the executor in the config.
+
+    ``VLLM_DUALGPU_RESERVE`` (checked against the visible GPU count once NVML gives it) and the
+    user's own ``VLLM_PP_LAYER_PARTITION`` (checked as vLLM will check it) go into
+    ``additional_config["dualgpu"]``; the executor reads them from there.
+    """
+    reserve_text = os.environ.get(envs.RESERVE)
+    sizes = envs.parse_reserve_sizes(reserve_text)
+    if nvml_gpu_count is not None:
+        envs.expand_reserves(sizes, nvml_gpu_count, reserve_text)
+    user_partition = envs.parse_partition(
+        partition.users_partition_text(), num_hidden_layers(vllm_config),
+        vllm_config.parallel_config.pipeline_parallel_size,
+    )
+    handoff.update_settings(vllm_config, reserve_bytes=sizes, user_partition=user_partition)
 
 
 def _check_drafter(vllm_config) -> None:

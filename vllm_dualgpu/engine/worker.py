@@ -17,19 +17,12 @@ import torch
 from vllm.v1.worker.gpu_worker import Worker
 
 from vllm_dualgpu import envs, plugin
-from vllm_dualgpu.engine import rank_summary
+from vllm_dualgpu.engine import handoff, rank_summary
 from vllm_dualgpu.log import logger
+from vllm_dualgpu.planner.gpus import rank_budget
 from vllm_dualgpu.process import DEVICE, WORKER
 
 GiB = 1024**3
-
-
-def rank_budget(free: int, total: int, reserve: int, cap: int | None) -> int:
-    """Free memory at start minus the reserve; an explicit utilization caps it at that share."""
-    budget = free - reserve
-    if cap is not None:
-        budget = min(budget, cap)
-    return budget
 
 
 def kv_backing_bytes(kv_cache_config) -> int:
@@ -39,18 +32,17 @@ def kv_backing_bytes(kv_cache_config) -> int:
     return max((t.size for t in kv_cache_config.kv_cache_tensors), default=0)
 
 
-def profiled_vs_predicted(requested: int, available_kv: int, predicted_kv: int | None) -> str:
+def profiled_vs_predicted(requested: int, available_kv: int, predicted: int | None) -> str:
     """vLLM's profile of this rank (what it charges besides the KV cache) against the plan.
 
     vLLM sizes the KV cache from ``requested`` (this rank's budget) minus what its profile run
     measured: weights, the activation peak, and memory taken since its start snapshot (NCCL
-    buffers, workspaces). The planner predicted the KV budget that leaves; both are compared as
-    the non-KV part, in bytes and per cent.
+    buffers, workspaces). ``predicted`` is the planner's figure for the same (the handoff's
+    ``predicted_non_kv_bytes``); both are compared in bytes and per cent.
     """
     measured = requested - available_kv
-    if predicted_kv is None:
+    if predicted is None:
         return f"{_gib(measured)} (no plan to compare)"
-    predicted = requested - predicted_kv
     diff = measured - predicted
     err = 100.0 * diff / predicted if predicted else 0.0
     return (f"{_gib(measured)} measured by vLLM, predicted {_gib(predicted)} "
@@ -89,9 +81,12 @@ class DualGpuWorker(Worker):
         # Patches whose vLLM module starts CUDA when imported, now that this rank's GPU is set.
         plugin.ensure(frozenset({DEVICE}))
         snap = self.init_snapshot
-        reserve = envs.rank_values(envs.RANK_RESERVES, self.rank) or 0
-        cap = envs.rank_values(envs.RANK_CAPS, self.rank)
-        budget = rank_budget(snap.free_memory, snap.total_memory, reserve, cap)
+        plan = handoff.load(self.vllm_config)
+        self._dualgpu_plan = plan
+        self._dualgpu_rank = record = plan.rank(self.rank) if plan else None
+        reserve = record.reserve_bytes if record else envs.DEFAULT_RESERVE_BYTES
+        cap = record.cap_bytes if record else None
+        budget = rank_budget(snap.free_memory, reserve, cap)
         name = torch.cuda.get_device_name(self.device)
         if budget <= 0:
             raise ValueError(
@@ -132,7 +127,8 @@ class DualGpuWorker(Worker):
     def determine_available_memory(self) -> int:
         self._warm_pp_communicators()
         available = super().determine_available_memory()
-        predicted = envs.rank_values(envs.RANK_PREDICTED, self.rank)
+        record = getattr(self, "_dualgpu_rank", None)
+        predicted = record.predicted_non_kv_bytes if record else None
         rank_summary.note("non-KV", profiled_vs_predicted(self.requested_memory, available, predicted))
         return available
 
@@ -209,7 +205,8 @@ class DualGpuWorker(Worker):
         one, so the engine would wait forever. A dead worker makes vLLM shut the engine down.
         """
         free, total = torch.cuda.mem_get_info(self.device)
-        reserve = envs.rank_values(envs.RANK_RESERVES, self.rank) or 0
+        record = getattr(self, "_dualgpu_rank", None)
+        reserve = record.reserve_bytes if record else envs.DEFAULT_RESERVE_BYTES
         logger.error(
             "vllm-dualgpu rank %d (%s) ran out of memory during warm-up, after the KV cache was "
             "sized (%s free of %s; reserve %s): %s. Keep more free on this GPU: raise its "
@@ -223,9 +220,9 @@ class DualGpuWorker(Worker):
         free, total = torch.cuda.mem_get_info(self.device)
         kv = self.cache_config.num_gpu_blocks
         pp_rank, pp_size = self._pp_position()
-        layers = os.environ.get("VLLM_PP_LAYER_PARTITION", "")
-        split = layers.split(",")
-        rank_summary.note("layers", f"{split[pp_rank]} of {layers.replace(',', '/')}" if len(split) == pp_size else "even split")
+        plan = getattr(self, "_dualgpu_plan", None)
+        split = plan.partition if plan and plan.partition_source != "even" else None
+        rank_summary.note("layers", f"{split[pp_rank]} of {'/'.join(map(str, split))}" if split and len(split) == pp_size else "even split")
         rank_summary.note("weights", _gib(self.model_runner.model_memory_usage))
         rank_summary.note("KV", f"{_gib(getattr(self, '_dualgpu_kv_bytes', 0))}, {kv} blocks x {self.cache_config.block_size} tokens" if kv else "n/a")
         kv_tokens = kv * self.cache_config.block_size if kv else 0

@@ -11,6 +11,16 @@ MIB = 1 << 20
 GIB = 1 << 30
 
 
+def rank_budget(free_bytes: int, reserve_bytes: int, cap_bytes: int | None = None) -> int:
+    """The memory one rank gives vLLM: free memory minus the reserve, at most the cap.
+
+    The one budget rule: the planner budgets each card with it before vLLM starts, and each
+    worker applies it to its own card's free memory at its start snapshot.
+    """
+    budget = free_bytes - reserve_bytes
+    return budget if cap_bytes is None else min(budget, cap_bytes)
+
+
 @dataclass(frozen=True)
 class GpuFacts:
     """One card as the planner sees it.
@@ -32,10 +42,12 @@ class GpuFacts:
     capability: tuple[int, int] | None = None
     reserve_bytes: int = 0
     nvlink: bool | None = None
+    cap_bytes: int | None = None
+    """An explicit ``--gpu-memory-utilization`` times the card's total: the budget's ceiling."""
 
     @property
     def budget_bytes(self) -> int:
-        return self.free_bytes - self.reserve_bytes
+        return rank_budget(self.free_bytes, self.reserve_bytes, self.cap_bytes)
 
     @property
     def short_name(self) -> str:

@@ -1,0 +1,87 @@
+"""What the executor tells each worker, carried in the config the workers receive.
+
+The executor plans in the EngineCore process; the workers are separate processes that receive
+the ``VllmConfig`` (pickled or forked). The plan's per-rank facts travel in
+``vllm_config.additional_config["dualgpu"]["plan"]`` as one typed record, written once by
+:func:`store` and read once per worker by :func:`load`. Nothing here goes through environment
+variables except ``VLLM_PP_LAYER_PARTITION``, which is vLLM's own interface for the split (see
+:mod:`vllm_dualgpu.engine.partition`).
+
+vLLM hashes ``additional_config`` into its compile-cache key, so the record holds only what is
+the same from one boot of the same command to the next on the same cards: reserves, caps, the
+split and the planner's prediction of what vLLM charges besides the KV cache (weights,
+activations, buffers), never free memory or a KV budget, which move with what else runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+KEY = "dualgpu"
+PLAN = "plan"
+
+
+@dataclass(frozen=True)
+class RankRecord:
+    """One pipeline rank's share of the plan."""
+
+    rank: int
+    physical_gpu_id: int
+    gpu_name: str
+    reserve_bytes: int
+    cap_bytes: int | None
+    """An explicit --gpu-memory-utilization times this card's total, else None."""
+    num_layers: int
+    predicted_non_kv_bytes: int | None
+    """What the planner expects vLLM's profile to charge besides the KV cache (no CUDA context)."""
+
+
+@dataclass(frozen=True)
+class Handoff:
+    ranks: tuple[RankRecord, ...]
+    partition: tuple[int, ...] | None
+    partition_source: str
+    """"plan" (the planner's split), "user" (VLLM_PP_LAYER_PARTITION) or "even" (vLLM's own)."""
+
+    def rank(self, rank: int) -> RankRecord | None:
+        return self.ranks[rank] if 0 <= rank < len(self.ranks) else None
+
+    def to_dict(self) -> dict:
+        return {
+            "ranks": [asdict(r) for r in self.ranks],
+            "partition": list(self.partition) if self.partition else None,
+            "partition_source": self.partition_source,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Handoff:
+        part = data.get("partition")
+        return cls(
+            ranks=tuple(RankRecord(**r) for r in data["ranks"]),
+            partition=tuple(part) if part else None,
+            partition_source=data["partition_source"],
+        )
+
+
+def frontend_settings(vllm_config) -> dict:
+    """The ``dualgpu`` section the front end filled (explicit utilization, parsed reserves)."""
+    extra = vllm_config.additional_config
+    return dict(extra.get(KEY, {})) if isinstance(extra, dict) else {}
+
+
+def update_settings(vllm_config, **values) -> None:
+    """Add values to ``additional_config["dualgpu"]`` (a new dict: configs may share theirs)."""
+    extra = vllm_config.additional_config
+    extra = dict(extra) if isinstance(extra, dict) else {}
+    extra[KEY] = {**extra.get(KEY, {}), **values}
+    vllm_config.additional_config = extra
+
+
+def store(vllm_config, handoff: Handoff) -> None:
+    update_settings(vllm_config, **{PLAN: handoff.to_dict()})
+
+
+def load(vllm_config) -> Handoff | None:
+    """The record the executor stored, or None (another executor, or PP=1)."""
+    data = frontend_settings(vllm_config).get(PLAN)
+    return Handoff.from_dict(data) if data else None
