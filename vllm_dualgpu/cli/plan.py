@@ -252,6 +252,50 @@ def _stock_line(s, part_text: str) -> str:
     return head + at + best + "."
 
 
+def request_from_args(args, model, gpus):
+    """The PlanRequest of these ``vllm serve``-style arguments: the executor builds the same one
+    from the VllmConfig of the same command (engine/planning.plan_request), and both take what
+    the runtime will do on the installed vLLM from patching/runtime.py."""
+    from vllm_dualgpu import planner as P
+    from vllm_dualgpu.patching.runtime import runtime_assumptions
+
+    spec = dict(args.speculative_config) if args.speculative_config else None
+    if spec and spec.get("model") and str(spec.get("method", "")).lower() not in ("mtp", "ngram", "ngram_gpu", "suffix"):
+        dcfg, _ = _read_config(str(spec["model"]))
+        spec["draft_config"] = dcfg
+    layer_partition = args.layer_partition
+    if layer_partition is None and os.environ.get("VLLM_PP_LAYER_PARTITION"):
+        layer_partition = _int_list(os.environ["VLLM_PP_LAYER_PARTITION"])
+    pp = args.pipeline_parallel_size or (len(layer_partition) if layer_partition else len(gpus))
+    runtime = runtime_assumptions().request_fields()
+    if args.vision_on_every_rank:
+        runtime["vision_on_every_rank"] = True
+    if args.drafter_shares_embedding:
+        runtime["drafter_shares_embedding"] = True
+    return P.PlanRequest(
+        max_model_len=args.max_model_len,
+        kv_cache_dtype=args.kv_cache_dtype,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs or 0,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        speculative=spec,
+        pp_size=pp,
+        layer_partition=layer_partition,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        model_dtype=model.dtype if args.dtype == "auto" else args.dtype,
+        gpu_order=args.gpu_order,
+        objective=args.objective,
+        enable_prefix_caching=args.enable_prefix_caching,
+        mamba_cache_mode=args.mamba_cache_mode,
+        mamba_cache_dtype=args.mamba_cache_dtype,
+        mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
+        enforce_eager=args.enforce_eager,
+        language_model_only=args.language_model_only,
+        **runtime,
+    )
+
+
 def run(args) -> int:
     from vllm_dualgpu import planner as P
 
@@ -276,37 +320,7 @@ def run(args) -> int:
         model = P.ModelSpec.from_hf_config(cfg, weight_format=args.weight_format, quantization=args.quantization)
         gpus, notes = _gpus(args, bool(args.model or args.model_opt))
 
-        spec = dict(args.speculative_config) if args.speculative_config else None
-        if spec and spec.get("model") and str(spec.get("method", "")).lower() not in ("mtp", "ngram", "ngram_gpu", "suffix"):
-            dcfg, _ = _read_config(str(spec["model"]))
-            spec["draft_config"] = dcfg
-        layer_partition = args.layer_partition
-        if layer_partition is None and os.environ.get("VLLM_PP_LAYER_PARTITION"):
-            layer_partition = _int_list(os.environ["VLLM_PP_LAYER_PARTITION"])
-        pp = args.pipeline_parallel_size or (len(layer_partition) if layer_partition else len(gpus))
-        req = P.PlanRequest(
-            max_model_len=args.max_model_len,
-            kv_cache_dtype=args.kv_cache_dtype,
-            block_size=args.block_size,
-            max_num_seqs=args.max_num_seqs or 0,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            speculative=spec,
-            pp_size=pp,
-            layer_partition=layer_partition,
-            num_gpu_blocks_override=args.num_gpu_blocks_override,
-            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-            model_dtype=model.dtype if args.dtype == "auto" else args.dtype,
-            gpu_order=args.gpu_order,
-            objective=args.objective,
-            enable_prefix_caching=args.enable_prefix_caching,
-            mamba_cache_mode=args.mamba_cache_mode,
-            mamba_cache_dtype=args.mamba_cache_dtype,
-            mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
-            enforce_eager=args.enforce_eager,
-            language_model_only=args.language_model_only,
-            vision_on_every_rank=args.vision_on_every_rank,
-            drafter_shares_embedding=args.drafter_shares_embedding,
-        )
+        req = request_from_args(args, model, gpus)
     except _Fail as e:
         print(f"vllm-dualgpu plan: {e}", file=sys.stderr)
         return 2

@@ -46,6 +46,7 @@ def speculative_dict(vllm_config) -> dict | None:
 
 
 def plan_request(vllm_config, user_partition: list[int] | None):
+    from vllm_dualgpu.patching.runtime import runtime_assumptions
     from vllm_dualgpu.planner import PlanRequest
 
     mc, cc, sc = vllm_config.model_config, vllm_config.cache_config, vllm_config.scheduler_config
@@ -69,15 +70,10 @@ def plan_request(vllm_config, user_partition: list[int] | None):
         mamba_cache_dtype=str(getattr(cc, "mamba_cache_dtype", "auto")),
         mamba_ssm_cache_dtype=str(getattr(cc, "mamba_ssm_cache_dtype", "auto")),
         enforce_eager=bool(mc.enforce_eager),
-        # The registry's drafter-shares-target-embed patch removes the drafter's copy.
-        drafter_shares_embedding=_patch_declared("drafter-shares-target-embed"),
+        # What the registry's patches (or vLLM itself) make the ranks hold on this release;
+        # `vllm-dualgpu plan` asks the same function.
+        **runtime_assumptions().request_fields(),
     )
-
-
-def _patch_declared(name: str) -> bool:
-    from vllm_dualgpu.patching.registry import PATCHES
-
-    return any(p.name == name for p in PATCHES)
 
 
 def choose_gpus(visible: list[VisibleGpu], pp_size: int) -> list[VisibleGpu]:

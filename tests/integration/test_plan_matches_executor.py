@@ -1,0 +1,154 @@
+"""`vllm-dualgpu plan` and the executor ask the planner the same question.
+
+For one `vllm serve` command, the executor builds its PlanRequest from vLLM's real VllmConfig
+(engine/planning.plan_request) and `plan` from the same arguments (cli/plan.request_from_args);
+both must be the same request and give the same split on the same cards. Issue found this way:
+the executor planned with the drafter sharing the target's embedding while `plan` did not, so
+an MTP command printed one split and ran another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+
+import pytest
+
+from vllm_dualgpu.cli import build_parser
+from vllm_dualgpu.cli import plan as cli_plan
+from vllm_dualgpu.engine import planning
+from vllm_dualgpu.patching.runtime import runtime_assumptions
+from vllm_dualgpu.planner import ModelSpec, parse_gpus, plan
+
+GPUS = "RTX 4070 Ti SUPER:16GiB,RTX 5090:32GiB"
+# Fields the executor takes from vLLM's resolved config and `plan` from its arguments; the
+# objective comes from the same environment variable on both sides.
+SAME = ("max_model_len", "kv_cache_dtype", "block_size", "max_num_seqs", "max_num_batched_tokens",
+        "pp_size", "layer_partition", "num_gpu_blocks_override", "kv_cache_memory_bytes",
+        "model_dtype", "enable_prefix_caching", "mamba_cache_dtype", "mamba_ssm_cache_dtype",
+        "enforce_eager", "vision_on_every_rank", "drafter_shares_embedding")
+
+DENSE = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 2560,
+    "intermediate_size": 9728, "num_hidden_layers": 36, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000,
+    "torch_dtype": "bfloat16", "tie_word_embeddings": False,
+}
+EAGLE3_DRAFT = {
+    "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": 2560,
+    "intermediate_size": 9728, "num_hidden_layers": 1, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "draft_vocab_size": 32000,
+    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16",
+}
+
+
+# vLLM's CPU platform turns an "auto" SSM state dtype into float32 (platforms/cpu.py), which a
+# CUDA run would not: both sides are given it explicitly, so the comparison is the plugin's.
+CPU_PLATFORM = ["--mamba-ssm-cache-dtype", "float32"]
+
+
+def cli_request(model_dir, argv: list[str]):
+    args = build_parser().parse_args(["plan", str(model_dir), "--gpus", GPUS, *argv, *CPU_PLATFORM])
+    cfg, _ = cli_plan._read_config(str(model_dir))
+    model = ModelSpec.from_hf_config(cfg, quantization=args.quantization)
+    if args.kv_cache_dtype is None:
+        args.kv_cache_dtype = "auto"
+    return model, cli_plan.request_from_args(args, model, parse_gpus(GPUS))
+
+
+def executor_request(vllm_config):
+    model = ModelSpec.from_hf_config(vllm_config.model_config.hf_config.to_dict(),
+                                     quantization=vllm_config.model_config.quantization)
+    return model, planning.plan_request(vllm_config, None)
+
+
+def engine_kwargs(argv: list[str]) -> dict:
+    """`vllm serve` flags as EngineArgs keywords (the few this test uses)."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--kv-cache-dtype")
+    p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--max-num-batched-tokens", type=int)
+    p.add_argument("--speculative-config", type=json.loads)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
+    p.add_argument("--mamba-ssm-cache-dtype")
+    return {k: v for k, v in vars(p.parse_args(argv)).items() if v is not None}
+
+
+def assert_same(cli, executor):
+    (cli_model, cli_req), (ex_model, ex_req) = cli, executor
+    differ = {f: (getattr(cli_req, f), getattr(ex_req, f)) for f in SAME
+              if getattr(cli_req, f) != getattr(ex_req, f)}
+    assert not differ, f"plan and the executor ask different questions (plan, executor): {differ}"
+    cs, es = cli_req.speculative or {}, ex_req.speculative or {}
+    for key in ("method", "num_speculative_tokens"):
+        assert cs.get(key) == es.get(key), key
+    gpus = parse_gpus(GPUS)
+    a, b = plan(cli_model, gpus, cli_req), plan(ex_model, gpus, ex_req)
+    assert (a.order, a.partition, a.num_blocks) == (b.order, b.partition, b.num_blocks)
+    return a
+
+
+@pytest.fixture
+def dense_config(tmp_path):
+    import vllm.platforms
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms.cpu import CpuPlatform
+
+    vllm.platforms._current_platform = CpuPlatform()
+    (tmp_path / "config.json").write_text(json.dumps(DENSE))
+
+    def make(argv, **extra):
+        return EngineArgs(model=str(tmp_path), load_format="dummy", skip_tokenizer_init=True,
+                          pipeline_parallel_size=2, **engine_kwargs(argv + CPU_PLATFORM),
+                          **extra).create_engine_config()
+
+    return tmp_path, make
+
+
+def test_runtime_assumptions_follow_the_registry():
+    r = runtime_assumptions("0.30.0")
+    assert r.drafter_shares_embedding and r.vision_tower_first_rank_only
+    assert r.request_fields() == {"drafter_shares_embedding": True, "vision_on_every_rank": False}
+    # A registry without the drafter patch: the drafter keeps its own copy.
+    from vllm_dualgpu.patching.registry import PATCHES
+
+    without = tuple(p for p in PATCHES if p.name != "drafter-shares-target-embed")
+    assert not runtime_assumptions("0.30.0", without).drafter_shares_embedding
+
+
+def test_dense_command(dense_config):
+    d, make = dense_config
+    argv = ["--max-model-len", "32768", "--kv-cache-dtype", "fp8", "--max-num-seqs", "8",
+            "--max-num-batched-tokens", "4096"]
+    assert_same(cli_request(d, argv), executor_request(make(argv)))
+
+
+def test_eagle3_command(dense_config, tmp_path_factory):
+    d, make = dense_config
+    draft = tmp_path_factory.mktemp("eagle3")
+    (draft / "config.json").write_text(json.dumps(EAGLE3_DRAFT))
+    spec = json.dumps({"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3})
+    argv = ["--max-model-len", "16384", "--max-num-seqs", "4", "--max-num-batched-tokens", "2048",
+            "--speculative-config", spec]
+    try:
+        cfg = make(argv)
+    except Exception as exc:  # vLLM's CPU platform may refuse a drafter: say so, do not pass
+        pytest.fail(f"vLLM did not build the EAGLE3 config on the CPU platform: {exc}")
+    result = assert_same(cli_request(d, argv), executor_request(cfg))
+    assert result.drafter is not None
+
+
+def test_mtp_command(qwen3_5_hybrid_config, tmp_path):
+    cfg = qwen3_5_hybrid_config(max_model_len=4096, max_num_seqs=4, max_num_batched_tokens=2048,
+                                mamba_ssm_cache_dtype="float32", speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg.model_config.hf_config.to_dict()))
+    argv = shlex.split("--max-model-len 4096 --max-num-seqs 4 --max-num-batched-tokens 2048 "
+                       "--enable-prefix-caching "
+                       "--speculative-config '{\"method\": \"mtp\", \"num_speculative_tokens\": 3}'")
+    result = assert_same(cli_request(d, argv), executor_request(cfg))
+    assert result.drafter is not None

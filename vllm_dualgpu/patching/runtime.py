@@ -1,0 +1,72 @@
+"""What a dualgpu run will do on a given vLLM release, as the plan must assume it.
+
+The planner is pure and knows nothing of patches; but some patches change what a rank holds
+(a drafter that shares the target's embedding holds no copy of it; a later rank that builds no
+vision tower holds no vision weights) or how the KV cache is grouped. ``vllm-dualgpu plan``
+(offline) and the executor (in a run) both ask :func:`runtime_assumptions` for the installed
+vLLM, so they plan for the same runtime. The answer is derived from the registry: a patch
+counts for a release when it is declared and its range holds that release; a behaviour vLLM
+itself gained counts from the release named in :data:`UPSTREAM_FROM`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: Behaviours a registry patch gives older releases and vLLM has itself from this release on.
+UPSTREAM_FROM = {
+    # vLLM 0.33's _mark_tower_model builds the vision tower on the first PP rank only with the
+    # V2 model runner (model_executor/models/interfaces.py), for every executor.
+    "vision-tower-first-rank-only": "0.33.0",
+}
+
+
+@dataclass(frozen=True)
+class RuntimeAssumptions:
+    vllm_version: str
+    drafter_shares_embedding: bool
+    """The MTP/EAGLE drafter on the last rank uses the target's embedding (holds no copy)."""
+    vision_tower_first_rank_only: bool
+    """Only rank 0 holds the vision tower's weights."""
+    kv_grouping: str
+    """"dualgpu" when the plugin's KV grouping patches are in force, else "stock"."""
+
+    def request_fields(self) -> dict:
+        """The :class:`vllm_dualgpu.planner.PlanRequest` fields these assumptions decide."""
+        return {
+            "drafter_shares_embedding": self.drafter_shares_embedding,
+            "vision_on_every_rank": not self.vision_tower_first_rank_only,
+        }
+
+    def describe(self) -> str:
+        return (f"vLLM {self.vllm_version}: drafter "
+                f"{'shares' if self.drafter_shares_embedding else 'copies'} the target embedding, "
+                f"vision tower on {'rank 0 only' if self.vision_tower_first_rank_only else 'every rank'}, "
+                f"{self.kv_grouping} KV grouping")
+
+
+def in_force(name: str, version: str, patches=None) -> bool:
+    """Whether the registry declares patch ``name`` for ``version`` (or vLLM has it itself)."""
+    from vllm_dualgpu.patching.core import version_in_range
+    from vllm_dualgpu.patching.registry import PATCHES
+
+    declared = [p for p in (PATCHES if patches is None else patches) if p.name == name]
+    if any(version_in_range(version, p.vllm_versions) for p in declared):
+        return True
+    since = UPSTREAM_FROM.get(name)
+    return since is not None and version_in_range(version, f">={since}")
+
+
+def runtime_assumptions(vllm_version: str | None = None, patches=None) -> RuntimeAssumptions:
+    """The assumptions for ``vllm_version`` (default: the installed vLLM, else the newest
+    supported release, which a fresh install gets)."""
+    from vllm_dualgpu.support import CHECKED_RELEASES, installed_vllm_version
+
+    version = vllm_version or installed_vllm_version() or CHECKED_RELEASES[-1]
+    kv = all(in_force(n, version, patches) for n in ("kv-groups-know-ranks", "kv-groups-without-padding"))
+    return RuntimeAssumptions(
+        vllm_version=version,
+        drafter_shares_embedding=in_force("drafter-shares-target-embed", version, patches),
+        vision_tower_first_rank_only=in_force("vision-tower-first-rank-only", version, patches),
+        kv_grouping="dualgpu" if kv else "stock",
+    )
