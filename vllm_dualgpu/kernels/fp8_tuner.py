@@ -186,30 +186,24 @@ def model_weight_shapes(cfg: dict, tp: int = 1, block: tuple[int, int] | None = 
     style decoder (and Llama/Qwen2-style ones): fused qkv (with Qwen3.5's output gate), o_proj,
     the GDN in_proj_qkvz / out_proj, gate_up and down; ``N`` is split by ``tp`` for
     column-parallel layers, ``K`` for row-parallel ones."""
-    text = cfg.get("text_config") or cfg
+    from vllm_dualgpu.planner.errors import PlanError
+    from vllm_dualgpu.planner.hf_config import FULL, LINEAR, DecoderConfig
+
     block = block or quant_block_size(cfg)
     if block is None:
         raise ValueError(
             "the model's quantization_config has no weight_block_size (not a block-FP8 "
             "checkpoint); give the shapes with --shapes N,K;N,K"
         )
+    try:
+        dc = DecoderConfig.from_dict(cfg)  # the planner's reader: both see the same layers
+    except PlanError as exc:
+        raise ValueError(f"{exc}; give the shapes with --shapes N,K;N,K") from None
     bn, bk = block
-    q = _quant_config(cfg) or {}
-    ignore = _ignore_list(q)
-    model_type = str(text.get("model_type") or cfg.get("model_type") or "")
-    H = int(text["hidden_size"])
-    n_layers = int(text.get("num_hidden_layers", 0))
-    layer_types = text.get("layer_types") or []
-    if not layer_types and "linear_num_value_heads" in text:
-        # Qwen3.5 / Qwen3-Next: every full_attention_interval-th layer is full attention.
-        every = int(text.get("full_attention_interval") or 4)
-        layer_types = ["full_attention" if (i + 1) % every == 0 else "linear_attention"
-                       for i in range(n_layers)]
-    if not layer_types:
-        layer_types = ["full_attention"] * n_layers
-    full = [i for i, t in enumerate(layer_types) if t == "full_attention"]
-    linear = [i for i, t in enumerate(layer_types) if t == "linear_attention"]
-    all_layers = list(range(len(layer_types)))
+    ignore = _ignore_list(dc.quantization_config or {})
+    H = dc.hidden_size
+    full, linear = dc.layers_of(FULL), dc.layers_of(LINEAR)
+    all_layers = list(range(dc.num_layers))
 
     shapes: dict[tuple[int, int], WeightShape] = {}
     skipped: list[str] = []
@@ -239,22 +233,17 @@ def model_weight_shapes(cfg: dict, tp: int = 1, block: tuple[int, int] | None = 
         shape.layers.append(name)
 
     if full:
-        heads = int(text["num_attention_heads"])
-        kv = int(text.get("num_key_value_heads") or heads)
-        head_dim = int(text.get("head_dim") or H // heads)
-        gate_default = model_type.startswith(("qwen3_next", "qwen3_5"))
-        gate = bool(text.get("attn_output_gate", gate_default))
-        q_size = div(heads, "num_attention_heads") * (1 + gate) * head_dim
+        heads, kv, head_dim = dc.num_heads, dc.num_kv_heads, dc.head_dim
+        q_size = div(heads, "num_attention_heads") * (1 + dc.attn_output_gate) * head_dim
         kv_size = (kv // tp if kv >= tp else 1) * head_dim
         add("self_attn.qkv_proj", q_size + 2 * kv_size, H, [q_size, kv_size, kv_size], full,
             ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), True)
         add("self_attn.o_proj", H, div(heads * head_dim, "attention width"), [H], full,
             ("self_attn.o_proj",), False)
     if linear:
-        nk, nv = int(text["linear_num_key_heads"]), int(text["linear_num_value_heads"])
-        key_dim = nk * int(text["linear_key_head_dim"])
-        value_dim = nv * int(text["linear_value_head_dim"])
-        qwen35 = model_type.startswith("qwen3_5")
+        g = dc.linear
+        nv, key_dim, value_dim = g.num_v_heads, g.key_dim, g.value_dim
+        qwen35 = dc.model_type.startswith("qwen3_5")
         qkvz_parts = [div(d, "linear-attention width") for d in (key_dim, key_dim, value_dim, value_dim)]
         add("linear_attn.in_proj_qkvz", sum(qkvz_parts), H,
             qkvz_parts if qwen35 else [sum(qkvz_parts)], linear,
@@ -267,21 +256,20 @@ def model_weight_shapes(cfg: dict, tp: int = 1, block: tuple[int, int] | None = 
         add("linear_attn.out_proj", H, div(value_dim, "linear value width"), [H], linear,
             ("linear_attn.out_proj",), False)
 
-    experts = int(text.get("num_experts") or text.get("n_routed_experts") or 0)
-    dense_layers = all_layers
-    if experts:
-        notes.append(f"{experts} routed experts run through vLLM's fused-MoE kernels, whose "
+    dense_layers = [i for i in all_layers if not dc.is_moe_layer(i)]
+    if dc.num_experts:
+        notes.append(f"{dc.num_experts} routed experts run through vLLM's fused-MoE kernels, whose "
                      "configs are tuned separately (not here)")
-        dense_layers = [int(i) for i in (text.get("mlp_only_layers") or [])]
-        shared = int(text.get("shared_expert_intermediate_size") or 0)
+        moe_layers = [i for i in all_layers if dc.is_moe_layer(i)]
+        shared = dc.shared_expert_intermediate_size
         if shared:
             s = div(shared, "shared_expert_intermediate_size")
-            add("mlp.shared_expert.gate_up_proj", 2 * s, H, [s, s], all_layers,
+            add("mlp.shared_expert.gate_up_proj", 2 * s, H, [s, s], moe_layers,
                 ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"), True)
-            add("mlp.shared_expert.down_proj", H, s, [H], all_layers,
+            add("mlp.shared_expert.down_proj", H, s, [H], moe_layers,
                 ("mlp.shared_expert.down_proj",), False)
-    if dense_layers and text.get("intermediate_size"):
-        inter = div(int(text["intermediate_size"]), "intermediate_size")
+    if dense_layers and dc.intermediate_size:
+        inter = div(dc.intermediate_size, "intermediate_size")
         add("mlp.gate_up_proj", 2 * inter, H, [inter, inter], dense_layers,
             ("mlp.gate_proj", "mlp.up_proj"), True)
         add("mlp.down_proj", H, inter, [H], dense_layers, ("mlp.down_proj",), False)

@@ -17,12 +17,7 @@ from dataclasses import dataclass, field
 from vllm_dualgpu.planner.errors import BadRequest, UnsupportedModel
 from vllm_dualgpu.planner.formats import FormatResolver, dense_format
 
-FULL = "full_attention"
-LINEAR = "linear_attention"
-
-_HYBRID_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen4_exp_text")
-_QK_NORM_TYPES = ("qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_vl_text", "qwen3_vl_moe_text")
-_QKV_BIAS_TYPES = ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text", "qwen2_moe")
+from vllm_dualgpu.planner.hf_config import FULL, LINEAR, DecoderConfig, GdnDims  # noqa: F401 (re-exported)
 
 
 @dataclass(frozen=True)
@@ -32,29 +27,6 @@ class LayerSpec:
     kind: str
     weight_bytes: int
     decode_read_bytes: int
-
-
-@dataclass(frozen=True)
-class GdnDims:
-    """Gated DeltaNet (``linear_attention``) dimensions, as in ``qwen_gdn_linear_attn.py``."""
-
-    num_k_heads: int
-    num_v_heads: int
-    k_head_dim: int
-    v_head_dim: int
-    conv_kernel: int
-
-    @property
-    def key_dim(self) -> int:
-        return self.num_k_heads * self.k_head_dim
-
-    @property
-    def value_dim(self) -> int:
-        return self.num_v_heads * self.v_head_dim
-
-    @property
-    def conv_dim(self) -> int:
-        return 2 * self.key_dim + self.value_dim
 
 
 @dataclass(frozen=True)
@@ -157,75 +129,16 @@ class ModelSpec:
         category (``"mlp=nvfp4,attention=fp8,linear_attention=fp8"``). ``quantization`` is vLLM's
         ``--quantization`` (online quantization of a 16-bit checkpoint).
         """
-        if not isinstance(cfg, dict):
-            raise BadRequest("the model config must be a dict (the contents of config.json)")
-        text = dict(cfg.get("text_config") or {})
-        is_vl = bool(text)
-        if not text:
-            text = cfg
-        else:
-            for k in ("tie_word_embeddings", "torch_dtype", "dtype"):
-                if k in cfg and k not in text:
-                    text[k] = cfg[k]
-        arch = (cfg.get("architectures") or text.get("architectures") or ["?"])[0]
-        mt = str(text.get("model_type") or cfg.get("model_type") or "?")
+        dc = DecoderConfig.from_dict(cfg)
+        if not dc.vocab_size:
+            raise UnsupportedModel(f"{dc.architecture}: config.json has no 'vocab_size'; is this a decoder LLM config?")
+        text, is_vl, arch, mt = dc.text, dc.is_vl, dc.architecture, dc.model_type
         meta = cfg.get("_vllm_dualgpu") or {}
         name = name or meta.get("name") or cfg.get("_name_or_path") or arch
+        H, L, nH, nKV, hd, V = dc.hidden_size, dc.num_layers, dc.num_heads, dc.num_kv_heads, dc.head_dim, dc.vocab_size
+        dtype, tie, layer_types, linear = dc.dtype, dc.tie_word_embeddings, list(dc.layer_types), dc.linear
 
-        if text.get("kv_lora_rank") or text.get("q_lora_rank"):
-            raise UnsupportedModel(f"{arch}: MLA attention (kv_lora_rank) is not sized by the planner yet")
-        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
-            if not text.get(key):
-                raise UnsupportedModel(f"{arch}: config.json has no {key!r}; is this a decoder LLM config?")
-
-        H = int(text["hidden_size"])
-        L = int(text["num_hidden_layers"])
-        nH = int(text["num_attention_heads"])
-        nKV = int(text.get("num_key_value_heads") or nH)
-        hd = int(text.get("head_dim") or H // nH)
-        V = int(text["vocab_size"])
-        dtype = str(text.get("dtype") or text.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
-        if dtype in ("float32", "float"):
-            dtype = "bfloat16"  # vLLM serves float32 checkpoints in 16-bit by default
-        tie = bool(text.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False)))
-        hybrid_family = mt in _HYBRID_TYPES
-
-        layer_types = list(text.get("layer_types") or [])
-        if not layer_types:
-            interval = text.get("full_attention_interval")
-            if interval and text.get("linear_num_value_heads"):
-                layer_types = [FULL if (i + 1) % int(interval) == 0 else LINEAR for i in range(L)]
-            else:
-                layer_types = [FULL] * L
-        if len(layer_types) != L:
-            raise UnsupportedModel(f"{arch}: layer_types has {len(layer_types)} entries for {L} layers")
-        unknown = sorted(set(layer_types) - {FULL, LINEAR})
-        if unknown:
-            raise UnsupportedModel(
-                f"{arch}: layer types {unknown} are not sized by the planner yet (it handles full "
-                "attention and Gated DeltaNet linear attention)"
-            )
-        if text.get("use_sliding_window") and text.get("sliding_window"):
-            raise UnsupportedModel(f"{arch}: sliding-window attention is not sized by the planner yet")
-        if "use_sliding_window" not in text and text.get("sliding_window") and mt not in _HYBRID_TYPES:
-            if not str(mt).startswith("qwen"):
-                raise UnsupportedModel(f"{arch}: sliding-window attention is not sized by the planner yet")
-
-        linear = None
-        if LINEAR in layer_types:
-            try:
-                linear = GdnDims(
-                    int(text["linear_num_key_heads"]),
-                    int(text["linear_num_value_heads"]),
-                    int(text["linear_key_head_dim"]),
-                    int(text["linear_value_head_dim"]),
-                    int(text.get("linear_conv_kernel_dim", 4)),
-                )
-            except KeyError as e:
-                raise UnsupportedModel(f"{arch}: linear_attention layers but no {e.args[0]!r} in config") from None
-
-        qc = cfg.get("quantization_config") or text.get("quantization_config")
-        res = FormatResolver.from_config(qc, weight_format=weight_format, quantization=quantization, dtype=dtype)
+        res = FormatResolver.from_config(dc.quantization_config, weight_format=weight_format, quantization=quantization, dtype=dtype)
         dense = dense_format(dtype)
         db = dense.bits // 8
 
@@ -234,20 +147,9 @@ class ModelSpec:
         else:
             prefixes = ("model.layers.{i}", "model.language_model.layers.{i}")
 
-        gate = bool(text.get("attn_output_gate", hybrid_family))
-        qkv_bias = bool(text.get("attention_bias", text.get("qkv_bias", mt in _QKV_BIAS_TYPES)))
-        qk_norm = mt in _QK_NORM_TYPES or hybrid_family
-        I = int(text.get("intermediate_size") or 0)
-
-        num_experts = int(text.get("num_experts") or text.get("num_local_experts") or text.get("n_routed_experts") or 0)
-        moe_I = int(text.get("moe_intermediate_size") or 0)
-        top_k = int(text.get("num_experts_per_tok") or 0)
-        shared_I = int(text.get("shared_expert_intermediate_size") or 0)
-        sparse_step = int(text.get("decoder_sparse_step") or 1)
-        mlp_only = set(text.get("mlp_only_layers") or [])
-
-        def is_moe_layer(i: int) -> bool:
-            return num_experts > 0 and i not in mlp_only and (i + 1) % sparse_step == 0
+        gate, qkv_bias, qk_norm, I = dc.attn_output_gate, dc.qkv_bias, dc.qk_norm, dc.intermediate_size
+        num_experts, moe_I, top_k = dc.num_experts, dc.moe_intermediate_size, dc.experts_per_token
+        shared_I, is_moe_layer = dc.shared_expert_intermediate_size, dc.is_moe_layer
 
         used: dict[str, int] = {}
 
