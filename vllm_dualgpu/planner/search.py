@@ -351,11 +351,10 @@ class _Context:
         self.ST = [0] * (L + 1)
         per_layer_tok = [0] * L
         per_layer_state = [0] * L
-        d_tok_bytes = d_state = 0
+        d_tok_bytes = 0
         for s in self.kv.slots:
             if s.layer_index is None:
                 d_tok_bytes += s.real_bytes_per_token
-                d_state += s.state_bytes
             else:
                 per_layer_tok[s.layer_index] += s.real_bytes_per_token
                 per_layer_state[s.layer_index] += s.state_bytes
