@@ -305,12 +305,13 @@ class _Context:
         self.max_num_seqs = request.max_num_seqs or d_seq
         self.vision = model.has_vision and not request.language_model_only
 
+        # Prefix sums over the decoder layers: layers [start, end) cost x[end] - x[start].
         L = model.num_layers
-        self.W = [0] * (L + 1)
-        self.R = [0] * (L + 1)
+        self.weight_prefix = [0] * (L + 1)  # weight bytes
+        self.read_prefix = [0] * (L + 1)  # bytes one decode step reads (weights, no KV)
         for i, layer in enumerate(model.layers):
-            self.W[i + 1] = self.W[i] + layer.weight_bytes
-            self.R[i + 1] = self.R[i] + layer.decode_read_bytes
+            self.weight_prefix[i + 1] = self.weight_prefix[i] + layer.weight_bytes
+            self.read_prefix[i + 1] = self.read_prefix[i] + layer.decode_read_bytes
 
         # role costs, by (first, last)
         self.fixed: dict[tuple[bool, bool], dict[str, int]] = {}
@@ -347,8 +348,8 @@ class _Context:
         self.reserve_sum = {k: sum(v.values()) for k, v in self.reserve.items()}
 
         # decode: K+V bytes per context token and mamba state bytes, prefix over layers
-        self.KVT = [0] * (L + 1)
-        self.ST = [0] * (L + 1)
+        self.kv_token_prefix = [0] * (L + 1)
+        self.state_prefix = [0] * (L + 1)
         per_layer_tok = [0] * L
         per_layer_state = [0] * L
         d_tok_bytes = 0
@@ -359,8 +360,8 @@ class _Context:
                 per_layer_tok[s.layer_index] += s.real_bytes_per_token
                 per_layer_state[s.layer_index] += s.state_bytes
         for i in range(L):
-            self.KVT[i + 1] = self.KVT[i] + per_layer_tok[i]
-            self.ST[i + 1] = self.ST[i] + per_layer_state[i]
+            self.kv_token_prefix[i + 1] = self.kv_token_prefix[i] + per_layer_tok[i]
+            self.state_prefix[i + 1] = self.state_prefix[i] + per_layer_state[i]
         self.drafter_kv_tok = d_tok_bytes
         self.min_blocks = self.kv.blocks_per_request(1) + 1  # one token + the null block
 
@@ -370,6 +371,45 @@ class _Context:
         if self.drafter is not None:
             b += self.drafter.decode_read_bytes * self.drafter.passes
         return b
+
+    def rank_cost(self, start: int, end: int, first: bool, last: bool, decode_tokens: int) -> RankCost:
+        """What the rank holding decoder layers [start, end) pays, in its pipeline role."""
+        role = (first, last)
+        read = (self.read_prefix[end] - self.read_prefix[start]
+                + decode_tokens * (self.kv_token_prefix[end] - self.kv_token_prefix[start])
+                + 2 * (self.state_prefix[end] - self.state_prefix[start]))
+        if last:
+            read += self.last_extra_read() + decode_tokens * self.drafter_kv_tok
+        return RankCost(
+            weights_bytes=self.weight_prefix[end] - self.weight_prefix[start],
+            fixed_bytes=self.fixed_sum[role],
+            runtime_reserve_bytes=self.reserve_sum[role],
+            kv_bytes_per_block=self.kv.bytes_per_block(start, end, last),
+            decode_read_bytes=read,
+        )
+
+
+@dataclass(frozen=True)
+class RankCost:
+    """One rank's costs for a span of layers: the planner's per-rank arithmetic, in one place."""
+
+    weights_bytes: int
+    """The decoder layers' weights."""
+    fixed_bytes: int
+    """CUDA context and NCCL, the embedding and vision tower (first rank), the head and the
+    drafter (last rank)."""
+    runtime_reserve_bytes: int
+    """What vLLM's profile charges at run time: activations, sampler, CUDA graphs, buffers."""
+    kv_bytes_per_block: int
+    decode_read_bytes: int
+    """Bytes one decode step reads on this rank at the planned context."""
+
+    def kv_budget(self, budget_bytes: int) -> int:
+        """What is left for the KV cache out of the rank's budget."""
+        return budget_bytes - self.fixed_bytes - self.weights_bytes - self.runtime_reserve_bytes
+
+    def decode_ms(self, bandwidth_gbps: float | None) -> float | None:
+        return self.decode_read_bytes / (bandwidth_gbps * 1e9) * 1e3 if bandwidth_gbps else None
 
 
 @dataclass
@@ -398,10 +438,10 @@ def _evaluate(ctx: _Context, order: tuple[int, ...], partition: tuple[int, ...],
     decode_ms: float | None = 0.0
     for r, n in enumerate(partition):
         end = start + n
-        first, last = r == 0, r == pp - 1
         gpu = ctx.gpus[order[r]]
-        bpb = ctx.kv.bytes_per_block(start, end, last)
-        kv_budget = gpu.budget_bytes - ctx.fixed_sum[(first, last)] - (ctx.W[end] - ctx.W[start]) - ctx.reserve_sum[(first, last)]
+        cost = ctx.rank_cost(start, end, r == 0, r == pp - 1, decode_tokens)
+        bpb = cost.kv_bytes_per_block
+        kv_budget = cost.kv_budget(gpu.budget_bytes)
         if req.num_gpu_blocks_override is not None:
             avail = req.num_gpu_blocks_override * bpb
             short = avail - kv_budget
@@ -418,15 +458,8 @@ def _evaluate(ctx: _Context, order: tuple[int, ...], partition: tuple[int, ...],
         blocks.append(b)
         shorts.append(short)
         if decode_ms is not None:
-            bw = gpu.bandwidth_gbps
-            if not bw:
-                decode_ms = None
-            else:
-                read = ctx.R[end] - ctx.R[start]
-                read += decode_tokens * (ctx.KVT[end] - ctx.KVT[start]) + 2 * (ctx.ST[end] - ctx.ST[start])
-                if last:
-                    read += ctx.last_extra_read() + decode_tokens * ctx.drafter_kv_tok
-                decode_ms += read / (bw * 1e9) * 1e3
+            ms = cost.decode_ms(gpu.bandwidth_gbps)
+            decode_ms = None if ms is None else decode_ms + ms
         start = end
     num_blocks = req.num_gpu_blocks_override if req.num_gpu_blocks_override is not None else min(blocks)
     max_ctx = ctx.kv.max_len_for_blocks(num_blocks) if num_blocks > 0 else 0
@@ -441,14 +474,10 @@ def _rank_plans(ctx: _Context, c: _Candidate, decode_tokens: int) -> list[RankPl
         end = start + n
         first, last = r == 0, r == pp - 1
         gpu = ctx.gpus[c.order[r]]
-        weights = ctx.W[end] - ctx.W[start]
-        fixed = ctx.fixed_sum[(first, last)]
-        reserve = ctx.reserve_sum[(first, last)]
+        cost = ctx.rank_cost(start, end, first, last, decode_tokens)
+        weights, fixed, reserve = cost.weights_bytes, cost.fixed_bytes, cost.runtime_reserve_bytes
         kv_alloc = c.num_blocks * c.bpb[r]
-        read = ctx.R[end] - ctx.R[start] + decode_tokens * (ctx.KVT[end] - ctx.KVT[start]) + 2 * (ctx.ST[end] - ctx.ST[start])
-        if last:
-            read += ctx.last_extra_read() + decode_tokens * ctx.drafter_kv_tok
-        ms = read / (gpu.bandwidth_gbps * 1e9) * 1e3 if gpu.bandwidth_gbps else None
+        read, ms = cost.decode_read_bytes, cost.decode_ms(gpu.bandwidth_gbps)
         out.append(
             RankPlan(
                 rank=r,
@@ -761,8 +790,9 @@ def stock_estimate(
             # Stock vLLM creates the pipeline's NCCL communicators after sizing the KV cache
             # (this package creates them before profiling), so its sizing does not charge them.
             charged = ctx.reserve_sum[(first, last)] - ctx.reserve[(first, last)].get("pp_comms", 0)
-            avail = requested - fixed - (ctx.W[end] - ctx.W[start]) - charged
-            bpb = ctx.kv.bytes_per_block(start, end, last)
+            cost = ctx.rank_cost(start, end, first, last, 0)
+            avail = requested - fixed - cost.weights_bytes - charged
+            bpb = cost.kv_bytes_per_block
             if request.num_gpu_blocks_override is not None:
                 blocks.append(request.num_gpu_blocks_override)
             elif request.kv_cache_memory_bytes is not None:
