@@ -123,7 +123,7 @@ def aux_relay_problem(architectures=()) -> str:
     from vllm_dualgpu.patching.core import version_in_range
     from vllm_dualgpu.patching.registry import PATCHES
     from vllm_dualgpu.patching.source_check import check_in_file
-    from vllm_dualgpu.plugin import installed_vllm_version
+    from vllm_dualgpu.support import installed_vllm_version
 
     names = list(AUX_RELAY_PATCHES)
     if set(architectures) & set(AUX_RELAY_TEXT_ONLY_ARCHS):
