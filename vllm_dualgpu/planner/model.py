@@ -132,189 +132,217 @@ class ModelSpec:
         dc = DecoderConfig.from_dict(cfg)
         if not dc.vocab_size:
             raise UnsupportedModel(f"{dc.architecture}: config.json has no 'vocab_size'; is this a decoder LLM config?")
-        text, is_vl, arch, mt = dc.text, dc.is_vl, dc.architecture, dc.model_type
         meta = cfg.get("_vllm_dualgpu") or {}
-        name = name or meta.get("name") or cfg.get("_name_or_path") or arch
-        H, L, nH, nKV, hd, V = dc.hidden_size, dc.num_layers, dc.num_heads, dc.num_kv_heads, dc.head_dim, dc.vocab_size
-        dtype, tie, layer_types, linear = dc.dtype, dc.tie_word_embeddings, list(dc.layer_types), dc.linear
-
-        res = FormatResolver.from_config(dc.quantization_config, weight_format=weight_format, quantization=quantization, dtype=dtype)
-        dense = dense_format(dtype)
-        db = dense.bits // 8
-
-        if is_vl:
-            prefixes = ("model.language_model.layers.{i}", "language_model.model.layers.{i}", "model.layers.{i}")
-        else:
-            prefixes = ("model.layers.{i}", "model.language_model.layers.{i}")
-
-        gate, qkv_bias, qk_norm, I = dc.attn_output_gate, dc.qkv_bias, dc.qk_norm, dc.intermediate_size
-        num_experts, moe_I, top_k = dc.num_experts, dc.moe_intermediate_size, dc.experts_per_token
-        shared_I, is_moe_layer = dc.shared_expert_intermediate_size, dc.is_moe_layer
-
-        used: dict[str, int] = {}
-
-        def linear_bytes(names: tuple[str, ...], category: str, out_f: int, in_f: int) -> int:
-            f = res.fmt(names, category)
-            used[f.name] = used.get(f.name, 0) + out_f * in_f
-            return f.linear_bytes(out_f, in_f)
-
-        def names_for(i: int, suffixes: tuple[str, ...], pfx=prefixes) -> tuple[str, ...]:
-            return tuple(p.format(i=i) + "." + s for p in pfx for s in suffixes)
-
-        def attention_bytes(i: int, pfx=prefixes, category="attention") -> int:
-            qo = nH * hd
-            b = linear_bytes(names_for(i, ("self_attn.q_proj",), pfx), category, qo * (2 if gate else 1), H)
-            b += linear_bytes(names_for(i, ("self_attn.k_proj",), pfx), category, nKV * hd, H)
-            b += linear_bytes(names_for(i, ("self_attn.v_proj",), pfx), category, nKV * hd, H)
-            b += linear_bytes(names_for(i, ("self_attn.o_proj",), pfx), category, H, qo)
-            if qk_norm:
-                b += 2 * hd * db
-            if qkv_bias:
-                b += (qo + 2 * nKV * hd) * db
-            return b
-
-        def gdn_bytes(i: int) -> int:
-            g = linear
-            assert g is not None
-            b = linear_bytes(names_for(i, ("linear_attn.in_proj_qkv", "linear_attn.in_proj_qkvz")), "linear_attention", g.conv_dim, H)
-            b += linear_bytes(names_for(i, ("linear_attn.in_proj_z", "linear_attn.in_proj_qkvz")), "linear_attention", g.value_dim, H)
-            b += linear_bytes(names_for(i, ("linear_attn.in_proj_b", "linear_attn.in_proj_ba")), "linear_attention", g.num_v_heads, H)
-            b += linear_bytes(names_for(i, ("linear_attn.in_proj_a", "linear_attn.in_proj_ba")), "linear_attention", g.num_v_heads, H)
-            b += linear_bytes(names_for(i, ("linear_attn.out_proj",)), "linear_attention", H, g.value_dim)
-            b += g.conv_dim * g.conv_kernel * db  # conv1d
-            b += g.num_v_heads * (4 + db)  # A_log (fp32), dt_bias
-            b += g.v_head_dim * 4  # gated RMSNorm weight
-            return b
-
-        def mlp_bytes(i: int, pfx=prefixes, category="mlp") -> tuple[int, int]:
-            """(weight bytes, bytes one token reads)."""
-            if not is_moe_layer(i):
-                b = linear_bytes(names_for(i, ("mlp.gate_proj",), pfx), category, I, H)
-                b += linear_bytes(names_for(i, ("mlp.up_proj",), pfx), category, I, H)
-                b += linear_bytes(names_for(i, ("mlp.down_proj",), pfx), category, H, I)
-                return b, b
-            ecat = category if category == "mtp" else "experts"
-            e = linear_bytes(names_for(i, ("mlp.experts.0.gate_proj",), pfx), ecat, moe_I, H)
-            e += linear_bytes(names_for(i, ("mlp.experts.0.up_proj",), pfx), ecat, moe_I, H)
-            e += linear_bytes(names_for(i, ("mlp.experts.0.down_proj",), pfx), ecat, H, moe_I)
-            router = linear_bytes(names_for(i, ("mlp.gate",), pfx), category, num_experts, H)
-            shared = 0
-            if shared_I:
-                shared = linear_bytes(names_for(i, ("mlp.shared_expert.gate_proj",), pfx), category, shared_I, H)
-                shared += linear_bytes(names_for(i, ("mlp.shared_expert.up_proj",), pfx), category, shared_I, H)
-                shared += linear_bytes(names_for(i, ("mlp.shared_expert.down_proj",), pfx), category, H, shared_I)
-                shared += H * db  # shared_expert_gate
-            total = e * num_experts + router + shared
-            read = e * min(top_k or num_experts, num_experts) + router + shared
-            return total, read
-
-        layers: list[LayerSpec] = []
-        for i, kind in enumerate(layer_types):
-            mixer = attention_bytes(i) if kind == FULL else gdn_bytes(i)
-            mlp_w, mlp_r = mlp_bytes(i)
-            norms = 2 * H * db
-            layers.append(LayerSpec(kind, mixer + mlp_w + norms, mixer + mlp_r + norms))
-
+        name = name or meta.get("name") or cfg.get("_name_or_path") or dc.architecture
+        res = FormatResolver.from_config(dc.quantization_config, weight_format=weight_format,
+                                         quantization=quantization, dtype=dc.dtype)
+        w = WeightCounter(dc, res)
+        H, V, db = dc.hidden_size, dc.vocab_size, w.dense_bytes
+        layers = [w.decoder_layer(i, kind) for i, kind in enumerate(dc.layer_types)]
         embed = V * H * res.fmt(("model.embed_tokens", "model.language_model.embed_tokens"), "embedding").bits // 8
         lm_head = res.fmt(("lm_head",), "lm_head").linear_bytes(V, H)
-        final_norm = H * db
-
-        # Widest per-token intermediate a layer produces (for the activation estimate).
-        widths = [nH * hd * (2 if gate else 1) + 2 * nKV * hd, I]
-        if num_experts:
-            widths.append(top_k * moe_I + shared_I)
-        if linear is not None:
-            widths.append(2 * linear.conv_dim + 2 * linear.value_dim)
-        activation_width = max(widths)
-
-        mamba_ssm_dtype = str(text.get("mamba_ssm_dtype") or "auto") if mt.startswith("qwen3_5") else "auto"
-
-        # Vision tower (Qwen3-VL / Qwen3.5 layout; other families by the same shapes).
-        vision_bytes = vis_h = vis_i = vis_out = 0
-        vc = cfg.get("vision_config") or {}
-        if vc and is_vl:
-            vis_h = int(vc.get("hidden_size") or vc.get("embed_dim") or 0)
-            depth = int(vc.get("depth") or vc.get("num_hidden_layers") or 0)
-            vis_i = int(vc.get("intermediate_size") or (vis_h * float(vc.get("mlp_ratio", 4))))
-            vis_out = int(vc.get("out_hidden_size") or H)
-            if vis_h and depth:
-                merge = int(vc.get("spatial_merge_size") or 2)
-                patch = int(vc.get("patch_size") or 14)
-                tps = int(vc.get("temporal_patch_size") or 2)
-                chans = int(vc.get("in_channels") or 3)
-                vpfx = ("model.visual.blocks.{i}", "visual.blocks.{i}")
-
-                def vlin(i: int, s: str, o: int, n: int) -> int:
-                    return linear_bytes(names_for(i, (s,), vpfx), "vision", o, n)
-
-                block = (
-                    vlin(0, "attn.qkv", 3 * vis_h, vis_h)
-                    + vlin(0, "attn.proj", vis_h, vis_h)
-                    + vlin(0, "mlp.linear_fc1", vis_i, vis_h)
-                    + vlin(0, "mlp.linear_fc2", vis_h, vis_i)
-                    + (3 * vis_h + vis_h + vis_i + vis_h + 4 * vis_h) * db  # biases, 2 norms
-                )
-                mh = vis_h * merge * merge
-                merger = (mh * mh + mh * vis_out + 2 * mh + vis_out) * db
-                n_deep = len(vc.get("deepstack_visual_indexes") or [])
-                vision_bytes = (
-                    depth * block
-                    + (chans * tps * patch * patch * vis_h + vis_h) * db
-                    + int(vc.get("num_position_embeddings") or 0) * vis_h * db
-                    + merger * (1 + n_deep)
-                )
-
-        # The model's own MTP layers (Qwen3-Next / Qwen3.5: a full-attention decoder layer each,
-        # plus an fc over [embedding, hidden] and three norms).
-        mtp_n = int(text.get("mtp_num_hidden_layers") or 0)
-        mtp_layer = mtp_extra = mtp_read = 0
-        if mtp_n:
-            mpfx = ("mtp.layers.{i}",)
-            mtp_layer = attention_bytes(0, mpfx, "mtp")
-            w, r = mlp_bytes(0, mpfx, "mtp")
-            mtp_layer_read = mtp_layer + r + 2 * H * db
-            mtp_layer += w + 2 * H * db
-            mtp_extra = linear_bytes(("mtp.fc",), "mtp", H, 2 * H) + 3 * H * db
-            mtp_read = mtp_layer_read + mtp_extra
-
-        max_pos = _derived_max_len(text)
-        total_params = sum(used.values()) or 1
-        mix = sorted(used.items(), key=lambda kv: -kv[1])
-        wf = res.describe() if weight_format != "auto" else (
-            mix[0][0] if len(mix) == 1 or mix[0][1] / total_params > 0.97 else "+".join(k for k, _ in mix)
-        )
+        vision = w.vision_tower(cfg.get("vision_config") or {}) if dc.is_vl else VisionTower()
+        mtp = w.mtp_layers(int(dc.text.get("mtp_num_hidden_layers") or 0))
+        mamba_ssm_dtype = (str(dc.text.get("mamba_ssm_dtype") or "auto")
+                           if dc.model_type.startswith("qwen3_5") else "auto")
         return cls(
             name=str(name),
-            architecture=arch,
-            model_type=mt,
-            dtype=dtype,
+            architecture=dc.architecture,
+            model_type=dc.model_type,
+            dtype=dc.dtype,
             layers=tuple(layers),
             hidden_size=H,
             vocab_size=V,
-            intermediate_size=I,
-            num_attention_heads=nH,
-            num_kv_heads=nKV,
-            head_dim=hd,
-            max_position_embeddings=max_pos,
-            tie_word_embeddings=tie,
+            intermediate_size=dc.intermediate_size,
+            num_attention_heads=dc.num_heads,
+            num_kv_heads=dc.num_kv_heads,
+            head_dim=dc.head_dim,
+            max_position_embeddings=_derived_max_len(dc.text),
+            tie_word_embeddings=dc.tie_word_embeddings,
             embed_bytes=embed,
             lm_head_bytes=lm_head,
-            final_norm_bytes=final_norm,
-            linear=linear,
+            final_norm_bytes=H * db,
+            linear=dc.linear,
             mamba_ssm_dtype=mamba_ssm_dtype,
-            vision_bytes=vision_bytes,
-            vision_hidden_size=vis_h,
-            vision_intermediate_size=vis_i,
-            vision_out_hidden_size=vis_out,
-            mtp_num_layers=mtp_n,
-            mtp_layer_bytes=mtp_layer,
-            mtp_extra_bytes=mtp_extra,
-            mtp_decode_read_bytes=mtp_read,
-            activation_width=activation_width,
-            weight_format=wf,
+            vision_bytes=vision.weight_bytes,
+            vision_hidden_size=vision.hidden_size,
+            vision_intermediate_size=vision.intermediate_size,
+            vision_out_hidden_size=vision.out_hidden_size,
+            mtp_num_layers=mtp.num_layers,
+            mtp_layer_bytes=mtp.layer_bytes,
+            mtp_extra_bytes=mtp.extra_bytes,
+            mtp_decode_read_bytes=mtp.decode_read_bytes,
+            activation_width=w.activation_width(),
+            weight_format=w.format_name(weight_format),
             quantization_method=res.method,
-            formats={k: v for k, v in used.items()},
+            formats=dict(w.used),
         )
+
+
+@dataclass(frozen=True)
+class VisionTower:
+    weight_bytes: int = 0
+    hidden_size: int = 0
+    intermediate_size: int = 0
+    out_hidden_size: int = 0
+
+
+@dataclass(frozen=True)
+class MtpLayers:
+    """The model's own MTP layers (Qwen3-Next / Qwen3.5: a full-attention decoder layer each,
+    plus an fc over [embedding, hidden] and three norms)."""
+
+    num_layers: int = 0
+    layer_bytes: int = 0
+    extra_bytes: int = 0
+    decode_read_bytes: int = 0
+
+
+class WeightCounter:
+    """Bytes of each module's weights in the formats the checkpoint stores them in; remembers
+    how many parameters each format holds (the model's weight-format summary)."""
+
+    def __init__(self, dc: DecoderConfig, res: FormatResolver):
+        self.dc, self.res = dc, res
+        self.dense_bytes = dense_format(dc.dtype).bits // 8
+        self.used: dict[str, int] = {}
+        self.prefixes = (
+            ("model.language_model.layers.{i}", "language_model.model.layers.{i}", "model.layers.{i}")
+            if dc.is_vl else ("model.layers.{i}", "model.language_model.layers.{i}")
+        )
+
+    def linear(self, names: tuple[str, ...], category: str, out_f: int, in_f: int) -> int:
+        f = self.res.fmt(names, category)
+        self.used[f.name] = self.used.get(f.name, 0) + out_f * in_f
+        return f.linear_bytes(out_f, in_f)
+
+    def names(self, i: int, suffixes: tuple[str, ...], prefixes=None) -> tuple[str, ...]:
+        return tuple(p.format(i=i) + "." + s for p in (prefixes or self.prefixes) for s in suffixes)
+
+    def attention(self, i: int, prefixes=None, category: str = "attention") -> int:
+        dc, db = self.dc, self.dense_bytes
+        H, nKV, hd = dc.hidden_size, dc.num_kv_heads, dc.head_dim
+        qo = dc.num_heads * hd
+        b = self.linear(self.names(i, ("self_attn.q_proj",), prefixes), category, qo * (2 if dc.attn_output_gate else 1), H)
+        b += self.linear(self.names(i, ("self_attn.k_proj",), prefixes), category, nKV * hd, H)
+        b += self.linear(self.names(i, ("self_attn.v_proj",), prefixes), category, nKV * hd, H)
+        b += self.linear(self.names(i, ("self_attn.o_proj",), prefixes), category, H, qo)
+        if dc.qk_norm:
+            b += 2 * hd * db
+        if dc.qkv_bias:
+            b += (qo + 2 * nKV * hd) * db
+        return b
+
+    def gdn(self, i: int) -> int:
+        g, H, db = self.dc.linear, self.dc.hidden_size, self.dense_bytes
+        assert g is not None
+        cat = "linear_attention"
+        b = self.linear(self.names(i, ("linear_attn.in_proj_qkv", "linear_attn.in_proj_qkvz")), cat, g.conv_dim, H)
+        b += self.linear(self.names(i, ("linear_attn.in_proj_z", "linear_attn.in_proj_qkvz")), cat, g.value_dim, H)
+        b += self.linear(self.names(i, ("linear_attn.in_proj_b", "linear_attn.in_proj_ba")), cat, g.num_v_heads, H)
+        b += self.linear(self.names(i, ("linear_attn.in_proj_a", "linear_attn.in_proj_ba")), cat, g.num_v_heads, H)
+        b += self.linear(self.names(i, ("linear_attn.out_proj",)), cat, H, g.value_dim)
+        b += g.conv_dim * g.conv_kernel * db  # conv1d
+        b += g.num_v_heads * (4 + db)  # A_log (fp32), dt_bias
+        b += g.v_head_dim * 4  # gated RMSNorm weight
+        return b
+
+    def mlp(self, i: int, prefixes=None, category: str = "mlp") -> tuple[int, int]:
+        """(weight bytes, bytes one token reads)."""
+        dc, H = self.dc, self.dc.hidden_size
+        if not dc.is_moe_layer(i):
+            I = dc.intermediate_size
+            b = self.linear(self.names(i, ("mlp.gate_proj",), prefixes), category, I, H)
+            b += self.linear(self.names(i, ("mlp.up_proj",), prefixes), category, I, H)
+            b += self.linear(self.names(i, ("mlp.down_proj",), prefixes), category, H, I)
+            return b, b
+        moe_I, n, shared_I = dc.moe_intermediate_size, dc.num_experts, dc.shared_expert_intermediate_size
+        ecat = category if category == "mtp" else "experts"
+        e = self.linear(self.names(i, ("mlp.experts.0.gate_proj",), prefixes), ecat, moe_I, H)
+        e += self.linear(self.names(i, ("mlp.experts.0.up_proj",), prefixes), ecat, moe_I, H)
+        e += self.linear(self.names(i, ("mlp.experts.0.down_proj",), prefixes), ecat, H, moe_I)
+        router = self.linear(self.names(i, ("mlp.gate",), prefixes), category, n, H)
+        shared = 0
+        if shared_I:
+            shared = self.linear(self.names(i, ("mlp.shared_expert.gate_proj",), prefixes), category, shared_I, H)
+            shared += self.linear(self.names(i, ("mlp.shared_expert.up_proj",), prefixes), category, shared_I, H)
+            shared += self.linear(self.names(i, ("mlp.shared_expert.down_proj",), prefixes), category, H, shared_I)
+            shared += H * self.dense_bytes  # shared_expert_gate
+        total = e * n + router + shared
+        read = e * min(dc.experts_per_token or n, n) + router + shared
+        return total, read
+
+    def decoder_layer(self, i: int, kind: str) -> LayerSpec:
+        mixer = self.attention(i) if kind == FULL else self.gdn(i)
+        mlp_w, mlp_r = self.mlp(i)
+        norms = 2 * self.dc.hidden_size * self.dense_bytes
+        return LayerSpec(kind, mixer + mlp_w + norms, mixer + mlp_r + norms)
+
+    def vision_tower(self, vc: dict) -> VisionTower:
+        """Qwen3-VL / Qwen3.5 layout; other families by the same shapes."""
+        db = self.dense_bytes
+        vis_h = int(vc.get("hidden_size") or vc.get("embed_dim") or 0)
+        depth = int(vc.get("depth") or vc.get("num_hidden_layers") or 0)
+        if not (vis_h and depth):
+            return VisionTower()
+        vis_i = int(vc.get("intermediate_size") or (vis_h * float(vc.get("mlp_ratio", 4))))
+        vis_out = int(vc.get("out_hidden_size") or self.dc.hidden_size)
+        merge = int(vc.get("spatial_merge_size") or 2)
+        patch = int(vc.get("patch_size") or 14)
+        tps = int(vc.get("temporal_patch_size") or 2)
+        chans = int(vc.get("in_channels") or 3)
+        vpfx = ("model.visual.blocks.{i}", "visual.blocks.{i}")
+
+        def vlin(s: str, o: int, n: int) -> int:
+            return self.linear(self.names(0, (s,), vpfx), "vision", o, n)
+
+        block = (
+            vlin("attn.qkv", 3 * vis_h, vis_h)
+            + vlin("attn.proj", vis_h, vis_h)
+            + vlin("mlp.linear_fc1", vis_i, vis_h)
+            + vlin("mlp.linear_fc2", vis_h, vis_i)
+            + (3 * vis_h + vis_h + vis_i + vis_h + 4 * vis_h) * db  # biases, 2 norms
+        )
+        mh = vis_h * merge * merge
+        merger = (mh * mh + mh * vis_out + 2 * mh + vis_out) * db
+        n_deep = len(vc.get("deepstack_visual_indexes") or [])
+        total = (
+            depth * block
+            + (chans * tps * patch * patch * vis_h + vis_h) * db
+            + int(vc.get("num_position_embeddings") or 0) * vis_h * db
+            + merger * (1 + n_deep)
+        )
+        return VisionTower(total, vis_h, vis_i, vis_out)
+
+    def mtp_layers(self, n: int) -> MtpLayers:
+        if not n:
+            return MtpLayers()
+        H, db = self.dc.hidden_size, self.dense_bytes
+        mpfx = ("mtp.layers.{i}",)
+        layer = self.attention(0, mpfx, "mtp")
+        w, r = self.mlp(0, mpfx, "mtp")
+        layer_read = layer + r + 2 * H * db
+        layer += w + 2 * H * db
+        extra = self.linear(("mtp.fc",), "mtp", H, 2 * H) + 3 * H * db
+        return MtpLayers(n, layer, extra, layer_read + extra)
+
+    def activation_width(self) -> int:
+        """Widest per-token intermediate a layer produces (for the activation estimate)."""
+        dc = self.dc
+        widths = [dc.num_heads * dc.head_dim * (2 if dc.attn_output_gate else 1) + 2 * dc.num_kv_heads * dc.head_dim,
+                  dc.intermediate_size]
+        if dc.num_experts:
+            widths.append(dc.experts_per_token * dc.moe_intermediate_size + dc.shared_expert_intermediate_size)
+        if dc.linear is not None:
+            widths.append(2 * dc.linear.conv_dim + 2 * dc.linear.value_dim)
+        return max(widths)
+
+    def format_name(self, weight_format: str) -> str:
+        if weight_format != "auto":
+            return self.res.describe()
+        total = sum(self.used.values()) or 1
+        mix = sorted(self.used.items(), key=lambda kv: -kv[1])
+        return mix[0][0] if len(mix) == 1 or mix[0][1] / total > 0.97 else "+".join(k for k, _ in mix)
 
 
 def _derived_max_len(text: dict) -> int:
