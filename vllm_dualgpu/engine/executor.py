@@ -25,6 +25,28 @@ def planning_applies(parallel_config) -> str | None:
     return None
 
 
+def dead_rank_lines(workers, gpus=None) -> list[str]:
+    """One line per worker process that has ended: its pipeline rank, GPU and exit status."""
+    lines = []
+    for h in workers:
+        code = h.proc.exitcode
+        if code is None:
+            continue
+        gpu = gpus[h.rank] if gpus and h.rank < len(gpus) else None
+        where = f" (GPU {gpu.physical_id}: {gpu.name})" if gpu else ""
+        if code < 0:
+            how = f"was killed by signal {-code}"
+            if -code == 9:
+                how += " (SIGKILL: out of host memory, or killed from outside)"
+        else:
+            how = f"exited with status {code}"
+            if code == 1:
+                how += " (a rank that runs out of GPU memory in warm-up ends itself: see its ERROR line above)"
+        lines.append(f"vllm-dualgpu: pipeline rank {h.rank}{where} {how}; the engine shuts down "
+                     "and fails its requests")
+    return lines
+
+
 class DualGpuExecutor(MultiprocExecutor):
     """Multiprocess executor that applies a dualgpu plan before spawning its workers."""
 
@@ -61,6 +83,16 @@ class DualGpuExecutor(MultiprocExecutor):
             # Workers inherit the environment; worker-side patches act only where it is set.
             os.environ[ACTIVE_ENV] = "1"
         super()._init_executor()
+
+    def register_failure_callback(self, callback) -> None:
+        """vLLM calls ``callback`` when a worker process died; first say which rank and GPU."""
+
+        def name_dead_ranks_then_fail():
+            for line in dead_rank_lines(self.workers, getattr(self.dualgpu, "gpus", None)):
+                logger.error(line)
+            callback()
+
+        super().register_failure_callback(name_dead_ranks_then_fail)
 
     def determine_available_memory(self) -> list[int]:
         available = super().determine_available_memory()
