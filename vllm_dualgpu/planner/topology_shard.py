@@ -12,7 +12,7 @@ that shard (weights, KV pages, Gated DeltaNet state, activations). What the shar
 express is charged separately by the caller (see ``tp_extra_reserve``). Known approximation:
 the vision tower's attention (``attn.qkv``/``attn.proj``) is sized unsharded, since the planner
 derives those shapes from the vision hidden size, which also sizes the unsharded patch embedding
-and merger; its MLP is sharded. For the bundled reference that overstates a card by ~0.14 GiB.
+and merger; its MLP is sharded. For the bundled reference that overstates a card by ~0.13 GiB.
 """
 
 from __future__ import annotations

@@ -147,3 +147,21 @@ def test_bad_fleet_files_exit_2(capsys, tmp_path, tiny, doc):
     assert rc == 2 and err.startswith("vllm-dualgpu plan: ")
     f.write_text("{not json")
     assert run_cli(capsys, tiny, "--fleet", str(f))[0] == 2
+
+
+def test_fleet_planning_imports_nothing_heavy(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import io, contextlib, json, sys\n"
+        "from vllm_dualgpu.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    rc = main(['plan', '--fleet', 'example', '--json'])\n"
+        "print(json.dumps({'rc': rc, 'heavy': sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch', 'pynvml'))}))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_PP_LAYER_PARTITION"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"rc": 0, "heavy": []}
