@@ -497,7 +497,7 @@ def plan_replica(
     seqs = request.max_num_seqs or default_batch_limits(first.total_bytes, first.name)[1]
     extra = tp_extra_reserve(full, shard, tp, seqs, mm)
     cards = [_stage_card(s, j, extra) for j, s in enumerate(layout.stages)]
-    if tp > 1 and len({c.gpu.budget_bytes for s in layout.stages for c in s}) > len(layout.stages):
+    if any(len({c.gpu.budget_bytes for c in s}) > 1 for s in layout.stages):
         rp.notes.append("TP groups planned as equals at the smaller card's free memory")
     hosts = layout.hosts
     orders: list[list[int] | None] = [None]
