@@ -137,6 +137,9 @@ def add_parser(sub) -> None:
                  "--no-enable-flashinfer-autotune", "--async-scheduling"):
         p.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(run=run)
+    from vllm_dualgpu.cli import topology  # a box or a fleet: hosts separated by ';', or --fleet
+
+    topology.add_to(p)
 
 
 # ---------------------------------------------------------------------------------------------
