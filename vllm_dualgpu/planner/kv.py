@@ -165,6 +165,16 @@ class KVLayout:
         per_req = self.blocks_per_request(max_model_len)
         return int(num_blocks / per_req * max_model_len) if per_req else 0
 
+    def bytes_per_token_read(self, start: int, end: int, last: bool) -> tuple[int, int]:
+        """(K+V bytes read per context token, mamba state bytes) for a rank's layers, unpadded."""
+        per_tok = state = 0
+        for s in self.slots:
+            on = (s.layer_index is not None and start <= s.layer_index < end) or (s.layer_index is None and last)
+            if on:
+                per_tok += s.real_bytes_per_token
+                state += s.state_bytes
+        return per_tok, state
+
     def describe(self) -> dict:
         return {
             "block_size": self.block_size,
