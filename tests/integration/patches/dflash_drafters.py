@@ -8,20 +8,23 @@ compiled kernel (vLLM's ``_C`` ops rms_norm/rotary_embedding, the W4A16 GEMM, th
 each by a plain PyTorch reference.
 """
 
+
 from __future__ import annotations
-
 import types
-
 import pytest
 import torch
 from torch import nn
-
 from conftest import registry_patch
 from vllm_dualgpu.patching.core import ALREADY, APPLIED, apply_patch, revert_patch
 from vllm_dualgpu.process import ACTIVE_ENV
 
+
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, GROUP, LAYERS = 64, 4, 2, 32, 32, 2
+
+
 NAMES = ("dflash-quantized-context-kv-build", "dflash-quantized-context-kv-project")
+
+
 W4A16 = {
     "quant_method": "compressed-tensors",
     "format": "pack-quantized",
@@ -178,39 +181,3 @@ def context_kv(drafter, states, positions):
     drafter._build_fused_kv_buffers()
     drafter.precompute_and_store_context_kv(states, positions, torch.arange(states.shape[0]))
     return written
-
-
-@pytest.mark.parametrize("bias", [False, True])
-def test_w4a16_drafter_context_kv(kernels, patched, monkeypatch, bias):
-    model_cls = patched
-    quantized, reference = build_drafters(bias)
-    states = torch.randn(5, HIDDEN)
-    positions = torch.tensor([0, 1, 2, 7, 8])
-    monkeypatch.setenv(ACTIVE_ENV, "1")
-    expected = context_kv(reference, states, positions)  # unquantized: vLLM's path
-    assert reference._fused_kv_weight.shape == (LAYERS * 2 * KV_HEADS * HEAD_DIM, HIDDEN)
-
-    got = context_kv(quantized, states, positions)
-    assert len(got) == len(expected) == LAYERS
-    for (k, v), (ek, ev) in zip(got, expected):
-        assert k.shape == ek.shape == (5, KV_HEADS, HEAD_DIM)
-        torch.testing.assert_close(k, ek, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(v, ev, rtol=1e-5, atol=1e-5)
-
-    # vLLM 0.30's own build reads the raw weight the packed layer does not have.
-    build = model_cls._build_context_kv_buffers.__wrapped__
-    layers_attn = [layer.self_attn for layer in quantized.layers]
-    with pytest.raises(AttributeError, match="weight"):
-        build(quantized, layers_attn, bias)
-
-
-def test_stock_without_dualgpu(kernels, patched, monkeypatch):
-    quantized, reference = build_drafters(False)
-    monkeypatch.delenv(ACTIVE_ENV, raising=False)
-    with pytest.raises(AttributeError, match="weight"):
-        quantized._build_fused_kv_buffers()
-    # Unquantized drafters take vLLM's fused GEMM, also under dualgpu.
-    monkeypatch.setenv(ACTIVE_ENV, "1")
-    reference._build_fused_kv_buffers()
-    assert reference._fused_kv_weight is not None
-    assert "_vllm_dualgpu_context_kv_layers" not in vars(reference)

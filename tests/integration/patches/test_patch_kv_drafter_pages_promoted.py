@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import registry_patch
-from test_spec_decode_pp import (  # noqa: F401  (fixtures and helpers of the item-7 tests)
+from spec_pp import (  # noqa: F401  (fixtures and helpers of the item-7 tests)
     applied,
     kv_layout,
     mamba_spec,

@@ -12,7 +12,7 @@ import torch
 from vllm_dualgpu.engine import rank_summary
 from vllm_dualgpu.kernels import fp8_configs as fc
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 SHIPPED = ROOT / "kernel_configs"
 SEED_SHAPES = {(14336, 5120), (16384, 5120), (34816, 5120), (5120, 17408), (5120, 6144)}
 RTX = "NVIDIA GeForce RTX 4070 Ti SUPER"

@@ -14,7 +14,7 @@ import torch
 from vllm_dualgpu.kernels import fp8_configs as fc
 from vllm_dualgpu.kernels import fp8_tuner as ft
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 SEED_SHAPES = [(14336, 5120), (5120, 6144), (16384, 5120), (34816, 5120), (5120, 17408)]
 
 

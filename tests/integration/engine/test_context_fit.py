@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import FIXTURES
+
 
 @pytest.fixture(scope="module")
 def vllm_config(tmp_path_factory):
@@ -18,7 +20,7 @@ def vllm_config(tmp_path_factory):
     from vllm.engine.arg_utils import EngineArgs
 
     d = tmp_path_factory.mktemp("tiny")
-    shutil.copy(Path(__file__).parent / "fixtures" / "tiny_qwen3.json", d / "config.json")
+    shutil.copy(FIXTURES / "tiny_qwen3.json", d / "config.json")
     cfg = EngineArgs(model=str(d), load_format="dummy", skip_tokenizer_init=True,
                      max_model_len=4096, pipeline_parallel_size=2,
                      distributed_executor_backend="mp").create_engine_config()

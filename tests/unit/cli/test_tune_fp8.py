@@ -13,7 +13,7 @@ from vllm_dualgpu.kernels import fp8_tuner as ft
 
 from test_fp8_tuner import SEED_SHAPES, qwen35_27b
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 RTX = "NVIDIA GeForce RTX 4070 Ti SUPER"
 
 

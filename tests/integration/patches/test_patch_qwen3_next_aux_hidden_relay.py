@@ -13,16 +13,14 @@ stand-in (``parallel_state._PP``), as in tests/test_spec_decode_pp.py.
 the ``qwen3_5`` fixture (conftest.py) makes vLLM's Qwen3.5 classes load without it.
 """
 
-from __future__ import annotations
 
+from __future__ import annotations
 import dataclasses
 import sys
 from types import SimpleNamespace
-
 import pytest
 import torch
 from torch import nn
-
 from conftest import registry_patch
 from vllm_dualgpu.patching.core import (
     ALREADY,
@@ -35,104 +33,7 @@ from vllm_dualgpu.patching.core import (
 )
 from vllm_dualgpu.patching.registry import PATCHES
 from vllm_dualgpu.process import ACTIVE_ENV
-
-RELAY, FLAG, LAYERS = "qwen3-next-aux-hidden-relay", "qwen3-next-aux-hidden-flag", "qwen3-5-aux-hidden-layers"
-HIDDEN, VOCAB, NUM_LAYERS = 8, 32, 4
-AUX_LAYERS = (3, 1, 2)  # unsorted, as drafter configs may give them
-
-
-@pytest.fixture
-def patched(vllm_version, qwen3_5):
-    """The three registry patches, applied for the test and reverted afterwards."""
-    done = []
-    for name in (RELAY, FLAG, LAYERS):
-        outcome = apply_patch(registry_patch(name), vllm_version)
-        assert outcome.status in (APPLIED, ALREADY), outcome.reason
-        done.append(registry_patch(name))
-    yield
-    for patch in done:
-        revert_patch(patch)
-
-
-@pytest.fixture
-def active(monkeypatch):
-    monkeypatch.setenv(ACTIVE_ENV, "1")
-
-
-@pytest.fixture
-def stage(pp_stage):
-    return pp_stage
-
-
-class StubLayer(nn.Module):
-    """Stands in for a Qwen3-Next decoder layer (GDN layers need Triton)."""
-
-    use_attn_reduce_scatter_for_moe = False  # read by Qwen3NextModel.use_sequence_parallel
-
-    def __init__(self, seed: int):
-        super().__init__()
-        torch.manual_seed(seed)
-        self.proj = nn.Linear(HIDDEN, HIDDEN)
-
-    def forward(self, positions, hidden_states, residual):
-        residual = hidden_states if residual is None else hidden_states + residual
-        return torch.tanh(self.proj(residual)), residual
-
-
-class StubNorm(nn.Module):
-    def forward(self, hidden_states, residual):
-        x = hidden_states + residual
-        return x / x.norm(dim=-1, keepdim=True), x
-
-
-LAYER_STACK = nn.ModuleList(StubLayer(i) for i in range(NUM_LAYERS))
-torch.manual_seed(100)
-EMBED = nn.Embedding(VOCAB, HIDDEN)
-
-
-def decoder(cls, start: int, end: int):
-    """A ``cls`` (Qwen3NextModel or Qwen3_5Model) holding layers [start, end) of the stub stack."""
-    from vllm.model_executor.models.utils import make_empty_intermediate_tensors_factory
-
-    model = cls.__new__(cls)
-    nn.Module.__init__(model)
-    model.config = SimpleNamespace(hidden_size=HIDDEN)
-    model.embed_tokens = EMBED
-    model.layers = LAYER_STACK
-    model.start_layer, model.end_layer = start, end
-    model.norm = StubNorm()
-    model.aux_hidden_state_layers = ()
-    model.do_not_compile = True  # vLLM's compile wrapper then calls self.forward
-    model.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
-        ["hidden_states", "residual"], HIDDEN
-    )
-    return model
-
-
-def causal_lm(cls, inner):
-    """A ``cls`` (a Qwen3-Next/Qwen3.5 *ForCausalLM) around ``inner``, built without __init__."""
-    model = cls.__new__(cls)
-    nn.Module.__init__(model)
-    model.model = inner
-    model.make_empty_intermediate_tensors = inner.make_empty_intermediate_tensors
-    return model
-
-
-def spec_config(layers=AUX_LAYERS):
-    hf = SimpleNamespace(eagle_aux_hidden_state_layer_ids=list(layers))
-    return SimpleNamespace(draft_model_config=SimpleNamespace(hf_config=hf))
-
-
-INPUT_IDS = torch.tensor([1, 5, 7, 30, 2])
-POSITIONS = torch.arange(5)
-
-
-def run(model, intermediate=None):
-    ids = INPUT_IDS if intermediate is None else None
-    return model(ids, POSITIONS, intermediate_tensors=intermediate)
-
-
-# --- (b) the relay itself ---------------------------------------------------------------------
+from aux_relay import AUX_LAYERS, FLAG, INPUT_IDS, LAYERS, NUM_LAYERS, POSITIONS, RELAY, active, causal_lm, decoder, patched, run, stage  # noqa: F401  (shared fixtures and helpers)
 
 
 def test_two_stages_give_the_last_stage_every_state_in_order(patched, active, stage):
@@ -231,92 +132,6 @@ def test_without_pp_the_forward_computes_what_vllm_does(patched, stage):
         torch.testing.assert_close(got, want)
 
 
-# --- (a) vLLM's checks accept the patched classes and refuse the stock ones --------------------
-
-
-def accept_under_pp(model) -> dict:
-    """What the V2 runner does at load time on the last of two stages (model_runner.py:409-418)."""
-    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import (
-        set_eagle3_aux_hidden_state_layers,
-        verify_supports_aux_hidden_states_over_pp,
-    )
-
-    set_eagle3_aux_hidden_state_layers(model, spec_config())
-    verify_supports_aux_hidden_states_over_pp(model, "eagle3")
-    return model.make_empty_intermediate_tensors(3, torch.float32, "cpu").tensors
-
-
-@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_text", "qwen3_5_vl"])
-def test_vllm_accepts_eagle3_under_pp_with_the_patches(patched, active, stage, qwen3_5, family):
-    from vllm.model_executor.models.qwen3_next import Qwen3NextForCausalLM, Qwen3NextModel
-
-    stage(1, 2)
-    if family == "qwen3_next":
-        inner = decoder(Qwen3NextModel, 2, NUM_LAYERS)
-        model = causal_lm(Qwen3NextForCausalLM, inner)
-    else:
-        inner = decoder(qwen3_5.Qwen3_5Model, 2, NUM_LAYERS)
-        model = causal_lm(qwen3_5.Qwen3_5ForCausalLM, inner)
-        if family == "qwen3_5_vl":  # the multimodal class reaches the decoder through the mixin
-            vl = qwen3_5.Qwen3_5ForConditionalGeneration.__new__(qwen3_5.Qwen3_5ForConditionalGeneration)
-            nn.Module.__init__(vl)
-            vl.language_model = model
-            vl.get_language_model = lambda lm=model: lm  # as _mark_language_model records it
-            vl.make_empty_intermediate_tensors = inner.make_empty_intermediate_tensors
-            model = vl
-    keys = accept_under_pp(model)
-    assert inner.supports_aux_hidden_states_over_pp is True
-    assert inner.aux_hidden_state_layers == (1, 2, 3)
-    # The last stage receives the two states captured upstream (layers 1 and 2).
-    assert sorted(keys) == ["aux_hidden_states_0", "aux_hidden_states_1", "hidden_states", "residual"]
-    assert not type(inner).supports_aux_hidden_states_over_pp  # declared per instance only
-
-
-def test_vllm_refuses_the_stock_classes(vllm_version, qwen3_5, active, stage):
-    from vllm.model_executor.models.qwen3_next import Qwen3NextForCausalLM, Qwen3NextModel
-
-    for name in (RELAY, FLAG, LAYERS):
-        revert_patch(registry_patch(name))
-    stage(1, 2)
-    for inner, cls in (
-        (decoder(Qwen3NextModel, 2, NUM_LAYERS), Qwen3NextForCausalLM),
-        (decoder(qwen3_5.Qwen3_5Model, 2, NUM_LAYERS), qwen3_5.Qwen3_5ForCausalLM),
-    ):
-        with pytest.raises(ValueError, match="does not support eagle3 with pipeline parallelism"):
-            accept_under_pp(causal_lm(cls, inner))
-
-
-@pytest.mark.parametrize("missing", [RELAY, FLAG, LAYERS])
-def test_any_missing_piece_leaves_vllms_refusal(vllm_version, qwen3_5, active, stage, missing):
-    """Each patch alone changes nothing vLLM checks: the declaration needs the forward, and the
-    text-only Qwen3.5 class needs its layers set through the mixin."""
-    for name in (RELAY, FLAG, LAYERS):
-        if name == missing:
-            revert_patch(registry_patch(name))
-        else:
-            assert apply_patch(registry_patch(name), vllm_version).status in (APPLIED, ALREADY)
-    try:
-        stage(1, 2)
-        inner = decoder(qwen3_5.Qwen3_5Model, 2, NUM_LAYERS)
-        with pytest.raises(ValueError, match="does not support eagle3"):
-            accept_under_pp(causal_lm(qwen3_5.Qwen3_5ForCausalLM, inner))
-    finally:
-        for name in (RELAY, FLAG, LAYERS):
-            revert_patch(registry_patch(name))
-
-
-def test_other_executors_keep_vllms_refusal(patched, stage, monkeypatch, qwen3_5):
-    monkeypatch.delenv(ACTIVE_ENV, raising=False)
-    stage(1, 2)
-    inner = decoder(qwen3_5.Qwen3_5Model, 2, NUM_LAYERS)
-    with pytest.raises(ValueError, match="does not support eagle3"):
-        accept_under_pp(causal_lm(qwen3_5.Qwen3_5ForCausalLM, inner))
-    assert inner.aux_hidden_state_layers == AUX_LAYERS  # vLLM's own method ran (unsorted)
-
-
-# --- (c) apply, re-apply, revert, pinned source -----------------------------------------------
-
-
 def test_apply_is_idempotent_and_revert_restores(vllm_version, qwen3_5):
     from vllm.model_executor.models.interfaces import EagleModelMixin
     from vllm.model_executor.models.qwen3_next import Qwen3NextModel
@@ -362,9 +177,6 @@ def test_other_source_is_refused_before_anything_changes(vllm_version, qwen3_5, 
     assert outcome.status == SKIPPED and "not the one this patch was written against" in outcome.reason
     assert _function_of(_raw_attr(*_resolve_owner(patch))) is before
     assert "not the one this patch was written against" in check_in_file(other.target, other.params, other.source_sha256)
-
-
-# --- (d) preflight ----------------------------------------------------------------------------
 
 
 def drafter_config(model_type: str, method: str = "eagle3", architectures=("Qwen3_5ForConditionalGeneration",)):

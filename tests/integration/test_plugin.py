@@ -71,7 +71,7 @@ def test_docs_patches_md_is_generated_from_the_registry():
 
     from vllm_dualgpu.patching.docs import render
 
-    doc = Path(__file__).resolve().parents[1] / "docs" / "patches.md"
+    doc = Path(__file__).resolve().parents[2] / "docs" / "patches.md"
     assert doc.read_text() == render(), "docs/patches.md is stale: python -m vllm_dualgpu.patching.docs"
 
 
