@@ -11,35 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import SEED_SHAPES, qwen35_27b
 from vllm_dualgpu.kernels import fp8_configs as fc
 from vllm_dualgpu.kernels import fp8_tuner as ft
 
 ROOT = Path(__file__).resolve().parents[3]
-SEED_SHAPES = [(14336, 5120), (5120, 6144), (16384, 5120), (34816, 5120), (5120, 17408)]
-
-
-def qwen35_27b(ignore: list[str] | None = None, **text) -> dict:
-    """A Qwen3.5 27B-class block-FP8 config.json (the shapes of the shipped configs)."""
-    layers = 64
-    q = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-         "weight_block_size": [128, 128]}
-    if ignore is not None:
-        q["modules_to_not_convert"] = ignore
-    return {
-        "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
-        "quantization_config": q,
-        "text_config": {
-            "model_type": "qwen3_5_text", "hidden_size": 5120, "intermediate_size": 17408,
-            "num_hidden_layers": layers, "num_attention_heads": 24, "num_key_value_heads": 4,
-            "head_dim": 256, "attn_output_gate": True, "full_attention_interval": 4,
-            "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
-            "linear_num_key_heads": 16, "linear_num_value_heads": 48, "linear_key_head_dim": 128,
-            "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "mtp_num_hidden_layers": 1,
-            **text,
-        },
-    }
-
-
 def shapes_of(cfg, tp=1):
     return [s.key for s in ft.model_weight_shapes(cfg, tp).shapes]
 

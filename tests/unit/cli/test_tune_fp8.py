@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from conftest import SEED_SHAPES, qwen35_27b
 from vllm_dualgpu.cli import main
 from vllm_dualgpu.kernels import fp8_configs as fc
 from vllm_dualgpu.kernels import fp8_tuner as ft
 
-from test_fp8_tuner import SEED_SHAPES, qwen35_27b
 
 ROOT = Path(__file__).resolve().parents[3]
 RTX = "NVIDIA GeForce RTX 4070 Ti SUPER"
