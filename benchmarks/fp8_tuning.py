@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Issue #5 on one GPU: tune vLLM's block-FP8 Triton GEMM, then compare default vs tuned.
 
-    python scripts/gpu/tune_and_bench_fp8.py OUTDIR [--budget 300] [--jobs N] [--dry-run]
+    python benchmarks/fp8_tuning.py OUTDIR [--budget 300] [--jobs N]
 
 1. Tunes the five weight shapes of a 27B Qwen3.5-class FP8 checkpoint
    (N,K = 14336,5120; 16384,5120; 34816,5120; 5120,17408; 5120,6144) for
@@ -21,10 +21,8 @@
 
 Never hangs: the whole run keeps to --budget seconds (per-shape caps are derived from what is
 left; the parallel compile step is killed after its share). Exit code 0 when files were written
-and the vLLM-path checks hold.
-
-``--dry-run`` needs no GPU: prints the plan, checks vLLM's kernel signature and that the issue
-#5 patches apply (then reverts them).
+and the vLLM-path checks hold. Its claims on a GPU are tests/gpu/test_gpu_fp8_tuning.py; what
+needs no GPU (vLLM's kernel signature, the plan, the patches) is in tests/integration.
 """
 
 from __future__ import annotations
@@ -36,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -59,53 +57,6 @@ def registry_patches():
     if missing:
         raise RuntimeError(f"registry lacks {missing}")
     return found
-
-
-def check_patches_apply() -> dict:
-    """Apply and revert the issue #5 patches in this process; report the outcomes."""
-    import vllm
-
-    from vllm_dualgpu.patching.core import APPLIED, apply_patch, revert_patch
-
-    out = {}
-    for name, p in registry_patches().items():
-        o = apply_patch(p, vllm.__version__)
-        out[name] = o.status + (f" ({o.reason})" if o.reason else "")
-        if o.status == APPLIED:
-            revert_patch(p)
-    return out
-
-
-def dry_run(args) -> int:
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    from vllm_dualgpu.kernels import fp8_tuner
-
-    plan = fp8_tuner.make_plan(SHAPES, BLOCK, TUNE_M, fp8_tuner.H200_SMEM)
-    print(fp8_tuner.describe_plan(plan, "NVIDIA_H200", str(Path(args.outdir) / "configs")))
-    print(f"parallel compile: {args.jobs} processes, at most {0.35 * args.budget:.0f} s")
-    print("per-shape tuning caps: split from what is left of the budget, "
-          f"{args.bench_share:.0%} of it kept for the benchmark")
-    l2 = fp8_tuner.H200_L2
-    for N, K in SHAPES:
-        copies = max(2, min(16, -(-int(4 * l2) // (N * K))))
-        print(f"bench N={N},K={K}: {copies} weight copies ({copies * N * K / 2**20:.0f} MiB), "
-              f"M={','.join(map(str, BENCH_M))}, default {fp8_tuner.vllm_default_config(*BLOCK)}")
-    # What can be checked without a GPU: vLLM's kernel still takes the arguments we pass, and
-    # the registry's issue #5 patches apply to this vLLM.
-    import inspect
-
-    from vllm.model_executor.layers.quantization.utils import fp8_utils
-
-    kernel = getattr(fp8_utils, fp8_tuner.KERNEL_NAMES[0])
-    params = tuple(inspect.signature(getattr(kernel, "fn", kernel)).parameters)
-    ok_kernel = params == fp8_tuner.KERNEL_PARAMS
-    print(f"vLLM kernel {fp8_tuner.KERNEL_NAMES[0]} signature: {'OK' if ok_kernel else params}")
-    outcomes = check_patches_apply()
-    for name, status in outcomes.items():
-        print(f"patch {name}: {status}")
-    ok = ok_kernel and all(s.startswith("applied") for s in outcomes.values())
-    print("dry run: nothing measured or written" + ("" if ok else " (CHECKS FAILED)"))
-    return 0 if ok else 1
 
 
 def vllm_path_check(config_dir: Path, tuned: dict) -> dict:
@@ -157,13 +108,10 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=max(1, min(14, (os.cpu_count() or 4) - 2)),
                     help="processes compiling kernel variants before tuning (0: none)")
     ap.add_argument("--reps", type=int, default=30, help="replays per config in the benchmark")
-    ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--unpack", metavar="DEST",
                     help="instead of running: write the files bundled in OUTDIR/fp8_configs.json "
                          "(or the bundle named by OUTDIR) into DEST, e.g. kernel_configs/")
     args = ap.parse_args()
-    if args.dry_run:
-        return dry_run(args)
     if args.unpack:
         from vllm_dualgpu.kernels import fp8_tuner
 

@@ -1,16 +1,14 @@
 #!/usr/bin/env python3
 """Issue #7 soak: the OpenAI server with PP=2 through the plugin, MTP on, under steady load.
 
-    python scripts/gpu/soak.py OUTDIR [--minutes 10] [--concurrency 8] [--preset small-hybrid]
+    python benchmarks/soak.py OUTDIR [--minutes 10] [--concurrency 8] [--preset small-hybrid]
                                       [--request-timeout 120] [--sample-s 30] [--no-mtp]
 
-On the GPU machine after staging: ``OUT=DIR bash scripts/gpu/session.sh soak`` (stage limit
-1,320 s: a boot of up to 10 min on a fresh machine + 10 min load + drain). The run takes longer
-than one 10-minute command, so start it detached and collect it later, e.g.
-``setsid nohup env OUT=DIR bash scripts/gpu/session.sh soak > DIR/soak-session.log 2>&1 &``
-then poll for ``DIR/soak.json``. Needs both GPUs free.
+On the GPU machine after staging: ``bash scripts/gpu/run.sh OUTDIR soak`` (a boot of up to
+10 min on a fresh machine + 10 min load + drain: longer than one 10-minute command, so start it
+with ``setsid nohup ... &`` and poll for ``OUTDIR/soak/soak.json``). Needs both GPUs free.
 
-What it does: writes the model (``make_model.py PRESET --weights random``; default
+What it does: writes the model (``gpu_models.write_model(PRESET, weights="random")``; default
 ``small-hybrid``, a Qwen3.5-style GDN hybrid with an MTP layer), holds ballast so GPU 0 has
 32 GiB free and GPU 1 16 GiB (an emulated mismatched pair), and starts
 ``vllm serve`` (``--pipeline-parallel-size 2 --distributed-executor-backend dualgpu``,
@@ -31,9 +29,8 @@ are capped at U of their card, so other GPU work can run beside the soak (its to
 dip while that work runs).
 
 Writes OUTDIR/soak.json (config, boot time, MTP on or off and why, totals, latency percentiles,
-every sample, the first errors) and OUTDIR/soak.png (tokens/s over time; matplotlib with the
-Agg backend, or a plain PNG drawn with the standard library when matplotlib is missing). Copy
-the PNG into docs/ when recording a run. Exit code 0 only if the server booted, requests were
+every sample, the first errors) and OUTDIR/soak.png (tokens/s over time, matplotlib: the
+``benchmark`` extra). Recorded runs go to benchmarks/results/. Exit code 0 only if the server booted, requests were
 served, and there were 0 errors and 0 timeouts.
 """
 
@@ -46,8 +43,6 @@ import random
 import re
 import signal
 import statistics
-import subprocess
-import shutil
 import sys
 import threading
 import time
@@ -55,12 +50,12 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gpu"))
+from gpu_harness import VllmServer, ballast, grep, stop_all  # noqa: E402
+from gpu_models import PRESETS, gdn_prefill_config, has_mtp, write_model  # noqa: E402
 
 FREE_GIB = [32.0, 16.0]
 MAX_MODEL_LEN = 4096
-PORT = 8017
 MTP = {"method": "mtp", "num_speculative_tokens": 2}
 WORDS = ("the a of to and in is it you that he was for on are with as I his they be at one have "
          "this from or had by hot word but what some we can out other were all there when up use "
@@ -354,27 +349,17 @@ def prefix_hit_rate(samples: list[dict]) -> float | None:
     return round(hits / queries, 4)
 
 
-def shown_command(cli: list[str], cmd: list[str]) -> str:
-    """The server command as the JSON records it: no machine paths (CLI, model folder)."""
-    head = "vllm" if len(cli) == 1 else "python -m vllm.entrypoints.cli.main"
-    return " ".join([head, "serve", "MODEL", *cmd[len(cli) + 2:]])
-
-
-def plot(samples: list[dict], path: Path, title: str = "vllm-dualgpu soak") -> str:
-    """tokens/s per window to a PNG; returns which backend drew it."""
+def plot(samples: list[dict], path: Path, title: str = "vllm-dualgpu soak") -> None:
+    """tokens/s per window to a PNG."""
     win = rates(samples)
     xs = [w["t_s"] / 60 for w in win]
     server = [w["server_tok_s"] for w in win]
     client = [w["client_tok_s"] for w in win]
-    try:
-        import matplotlib
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        series = [s for s in ([v if v is not None else 0.0 for v in server], client) if any(s)] or [client]
-        write_line_png(path, xs, series)
-        return "stdlib"
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(8, 4), dpi=100)
     if any(v is not None for v in server):
         ax.plot(xs, [v if v is not None else float("nan") for v in server], "o-", label="server (generation tokens)")
@@ -388,52 +373,6 @@ def plot(samples: list[dict], path: Path, title: str = "vllm-dualgpu soak") -> s
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
-    return "matplotlib"
-
-
-def write_line_png(path: Path, xs: list[float], series: list[list[float]], w: int = 640, h: int = 320) -> None:
-    """A line chart as an RGB PNG with the standard library only (axes, one colour per series)."""
-    import struct
-    import zlib
-
-    px = [[(255, 255, 255)] * w for _ in range(h)]
-    m = 30  # margin
-    colours = [(31, 119, 180), (255, 127, 14), (44, 160, 44)]
-
-    def put(x, y, c):
-        if 0 <= x < w and 0 <= y < h:
-            px[y][x] = c
-
-    for x in range(m, w - m):
-        put(x, h - m, (0, 0, 0))
-    for y in range(m, h - m + 1):
-        put(m, y, (0, 0, 0))
-    ymax = max([v for s in series for v in s] + [1e-9])
-    xmin, xmax = (min(xs), max(xs)) if xs else (0.0, 1.0)
-    span = (xmax - xmin) or 1.0
-
-    def to_px(x, v):
-        return (int(m + (x - xmin) / span * (w - 2 * m - 1)), int(h - m - v / ymax * (h - 2 * m - 1)))
-
-    for k, s in enumerate(series):
-        c = colours[k % len(colours)]
-        pts = [to_px(x, v) for x, v in zip(xs, s)]
-        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
-            n = max(abs(x1 - x0), abs(y1 - y0), 1)
-            for i in range(n + 1):
-                put(round(x0 + (x1 - x0) * i / n), round(y0 + (y1 - y0) * i / n), c)
-        for x, y in pts:
-            for dx in (-2, -1, 0, 1, 2):
-                for dy in (-2, -1, 0, 1, 2):
-                    put(x + dx, y + dy, c)
-    raw = b"".join(b"\x00" + bytes(v for p in row for v in p) for row in px)
-
-    def chunk(tag, data):
-        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
-
-    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
-           + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
-    Path(path).write_bytes(png)
 
 
 # --- main ---------------------------------------------------------------------------------------
@@ -444,14 +383,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("outdir", type=Path)
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--concurrency", type=int, default=8)
-    from make_model import PRESETS
-
     ap.add_argument("--preset", default="small-hybrid", choices=sorted(PRESETS))
     ap.add_argument("--request-timeout", type=float, default=120.0, help="seconds per request")
     ap.add_argument("--sample-s", type=float, default=30.0, help="seconds between samples")
     ap.add_argument("--boot-timeout", type=float, default=420.0)
     ap.add_argument("--no-mtp", action="store_true", help="serve without speculative decoding")
-    ap.add_argument("--port", type=int, default=PORT)
     ap.add_argument("--gpu-memory-utilization", type=float,
                     default=float(os.environ["SOAK_GPU_UTIL"]) if os.environ.get("SOAK_GPU_UTIL") else None,
                     help="share the GPUs with other work: no ballast, each rank's budget capped at this "
@@ -475,8 +411,6 @@ def tokenizer_counter(model_dir: Path):
 def report(out: Path, result: dict, stats: "Stats", samples: list[dict], mtp: bool, concurrency: int,
            log: Path) -> dict:
     """Summarize, plot and write OUTDIR/soak.json; also for a run a signal cut short."""
-    from gpurun import grep
-
     summary = summarize(stats.records, samples)
     result.update(summary=summary, samples=samples,
                   first_errors=[r for r in stats.records if r["status"] != "ok"][:20])
@@ -485,7 +419,7 @@ def report(out: Path, result: dict, stats: "Stats", samples: list[dict], mtp: bo
     if (out / "soak_plan.json").exists():
         result["plan"] = json.loads((out / "soak_plan.json").read_text())
     if samples:
-        result["plot"] = plot(samples, out / "soak.png",
+        plot(samples, out / "soak.png",
                               f"vllm-dualgpu soak: PP=2, MTP {'on' if mtp else 'off'}, concurrency {concurrency}")
     result["ok"] = bool(result.get("ready") and summary["ok"] > 0 and summary["errors"] == 0
                         and summary["timeouts"] == 0 and not result.get("stuck_in_flight")
@@ -499,16 +433,11 @@ def report(out: Path, result: dict, stats: "Stats", samples: list[dict], mtp: bo
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from e2e_correctness import stop_group
-    from gpurun import ballast, gdn_prefill_config, start, wait_for
-
     out: Path = args.outdir
     out.mkdir(parents=True, exist_ok=True)
     model = out / "models" / args.preset
     if not (model / "config.json").exists() or not any(model.glob("*.safetensors")):
-        subprocess.run([sys.executable, str(HERE / "make_model.py"), args.preset, str(model),
-                        "--weights", "random", "--seed", "0"], check=True)
-    from make_model import has_mtp
+        write_model(args.preset, model, "random")
 
     if args.no_mtp:
         mtp, mtp_why = False, "turned off with --no-mtp"
@@ -517,49 +446,44 @@ def main(argv: list[str] | None = None) -> int:
     else:
         mtp, mtp_why = False, f"preset {args.preset} has no MTP layer: serving without speculative decoding"
     print(f"[soak] MTP {'on' if mtp else 'off'}: {mtp_why}", flush=True)
-    base = f"http://127.0.0.1:{args.port}"
-    # The `vllm` command if it is on PATH, else the same CLI through the interpreter.
-    cli = [shutil.which("vllm")] if shutil.which("vllm") else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
-    cmd = [*cli, "serve", str(model), "--served-model-name", "soak", "--host", "127.0.0.1",
-           "--port", str(args.port), "--pipeline-parallel-size", "2",
-           "--distributed-executor-backend", "dualgpu", "--max-model-len", str(MAX_MODEL_LEN),
-           "--enforce-eager", "--dtype", "bfloat16", "--max-num-seqs", str(max(16, 2 * args.concurrency))]
+    args_ = ["--served-model-name", "soak", "--host", "127.0.0.1", "--pipeline-parallel-size", "2",
+             "--distributed-executor-backend", "dualgpu", "--max-model-len", str(MAX_MODEL_LEN),
+             "--enforce-eager", "--dtype", "bfloat16", "--max-num-seqs", str(max(16, 2 * args.concurrency))]
     if mtp:
-        cmd += ["--speculative-config", json.dumps(MTP)]
-    if "hybrid" in args.preset:  # the same GDN prefill kernel as every other GPU script
-        cmd += ["--additional-config", json.dumps(gdn_prefill_config())]
+        args_ += ["--speculative-config", json.dumps(MTP)]
+    if "hybrid" in args.preset:  # the same GDN prefill kernel as the GPU tests
+        args_ += ["--additional-config", json.dumps(gdn_prefill_config())]
     shared = args.gpu_memory_utilization is not None
     if shared:
-        cmd += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+        args_ += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     log = out / "soak_server.log"
+    server = VllmServer(str(model), args_, log=log, env={"VLLM_DUALGPU_PLAN_FILE": str(out / "soak_plan.json")},
+                        timeout=args.boot_timeout)
     result: dict = {"config": {"minutes": args.minutes, "concurrency": args.concurrency, "preset": args.preset,
                                "request_timeout_s": args.request_timeout, "sample_s": args.sample_s,
                                "ballast_free_gib": None if shared else FREE_GIB,
                                "shared_gpus": shared, "mtp": mtp, "mtp_why": mtp_why,
-                               "command": shown_command(cli, cmd)}}
+                               "command": " ".join(["vllm serve MODEL", *args_])}}
     stats = Stats()
     samples: list[dict] = []
     live: dict = {}  # the running sampler, for a report written on a signal
-    t0 = time.time()
-    with ballast([None, None] if shared else FREE_GIB, out / "logs"):
-        proc = start(cmd, log, {"VLLM_DUALGPU_PLAN_FILE": str(out / "soak_plan.json")})
 
-        def on_signal(signum, frame):  # a stage timeout or Ctrl-C: take the server down first,
-            stop_group(proc, grace=2)  # then keep what was measured (marked interrupted)
-            sampler = live.get("sampler")
-            result["interrupted_by"] = signal.Signals(signum).name
-            try:
-                report(out, result, stats, sampler.samples if sampler else samples, mtp, args.concurrency, log)
-            finally:
-                os._exit(128 + signum)
-
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
+    def on_signal(signum, frame):  # a time limit or Ctrl-C: take the server down first,
+        stop_all()  # then keep what was measured (marked interrupted)
+        sampler = live.get("sampler")
+        result["interrupted_by"] = signal.Signals(signum).name
         try:
-            ready = wait_for(log, r"Application startup complete", args.boot_timeout, proc)
-            result["boot_s"] = round(time.time() - t0, 1)
-            result["ready"] = bool(ready)
-            if ready:
+            report(out, result, stats, sampler.samples if sampler else samples, mtp, args.concurrency, log)
+        finally:
+            os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    with ballast([None, None] if shared else FREE_GIB, out / "logs"):
+        try:
+            with server:
+                result.update(ready=True, boot_s=server.ready_s)
+                base = server.url("")
                 work = Workload(seed=0, count=tokenizer_counter(model))
                 with Sampler(stats, base, args.sample_s) as sampler:
                     live["sampler"] = sampler
@@ -568,9 +492,9 @@ def main(argv: list[str] | None = None) -> int:
                 result["load_s"] = round(samples[-1]["t_s"], 1)
                 # A worker still inside a request after drive() gave up waiting: count it.
                 result["stuck_in_flight"] = stats.snapshot()["in_flight"]
-                result["server_alive_after"] = proc.poll() is None
-        finally:
-            stop_group(proc, grace=15)
+                result["server_alive_after"] = server.proc.poll() is None
+        except AssertionError as exc:  # the server did not become healthy
+            result.update(ready=False, boot_error=str(exc)[:2000])
     result = report(out, result, stats, samples, mtp, args.concurrency, log)
     return 0 if result["ok"] else 1
 

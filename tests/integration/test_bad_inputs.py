@@ -3,7 +3,7 @@
 Checks that happen before any GPU is touched run here on real vLLM objects (CPU platform).
 Three cases run `vllm serve` end to end and check the process exits and leaves nothing behind.
 The planner's own errors (context or weights that cannot fit) are in tests/test_planner_*.py;
-the post-profiling fit check is in tests/test_fit.py.
+the post-profiling fit check is in tests/integration/engine/test_context_fit.py.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ without ``__init__`` and given tiny torch layers and a norm with the same call s
 (``layer(positions=, hidden_states=, residual=) -> (hidden_states, residual)``); everything the
 relay touches (the forward, vLLM's ``EagleModelMixin``, the runner's eagle3 utilities and
 ``PPHandler.relay_aux_hidden_states``) is vLLM's or the patch's own code. The PP group is a
-stand-in (``parallel_state._PP``), as in tests/test_spec_decode_pp.py.
+stand-in (``parallel_state._PP``), as in tests/integration/patches/test_patch_{pp_inflight_batches,drafter_shares_target_embed,kv_groups_without_padding,vision_tower_first_rank_only}.py.
 
 ``vllm.model_executor.models.qwen3_5`` imports a transformers module that needs torchvision;
 the ``qwen3_5`` fixture (conftest.py) makes vLLM's Qwen3.5 classes load without it.
