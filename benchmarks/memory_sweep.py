@@ -8,12 +8,9 @@ first in PCI order and the plugin has to reorder. Model: Qwen3-14B-class shapes 
 weights (dummy), bf16 KV, eager mode, max_model_len 32768. Runs: stock (mp) at utilization
 0.90 / 0.11 / 0.10; the plugin with no extra flags (boot and a generation); the plugin over layer
 splits around its own (+-1, +-2 and the even split; --full-sweep adds +-4 and +-6); the plugin
-with the model's full 262,144 context (expected to refuse with the largest that fits). Every run
-is one ``vllm.LLM`` in a fresh process (tests/gpu/gpu_harness.run_llm).
-
-Writes OUTDIR/memory_sweep.json, memory_sweep.md (the table) and memory_sweep.png (KV pool per
-run, predicted vs sized by vLLM). The pass/fail claim (the prediction within 5%) is
-tests/gpu/test_gpu_memory_prediction.py; this only measures.
+with the model's full 262,144 context (expected to refuse with the largest that fits), each one
+``vllm.LLM`` in a fresh process. Writes OUTDIR/memory_sweep.json, .md (the table) and .png (KV
+pool per run, predicted vs sized). The claim (prediction within 5%) is test_gpu_memory_prediction.
 """
 
 from __future__ import annotations

@@ -8,30 +8,21 @@ On the GPU machine after staging: ``bash scripts/gpu/run.sh OUTDIR soak`` (a boo
 10 min on a fresh machine + 10 min load + drain: longer than one 10-minute command, so start it
 with ``setsid nohup ... &`` and poll for ``OUTDIR/soak/soak.json``). Needs both GPUs free.
 
-What it does: writes the model (``gpu_models.write_model(PRESET, weights="random")``; default
-``small-hybrid``, a Qwen3.5-style GDN hybrid with an MTP layer), holds ballast so GPU 0 has
-32 GiB free and GPU 1 16 GiB (an emulated mismatched pair), and starts
-``vllm serve`` (``--pipeline-parallel-size 2 --distributed-executor-backend dualgpu``,
-``--speculative-config`` MTP with 2 tokens when the model has MTP weights, else without and the
-JSON says so; eager, max_model_len 4096, 127.0.0.1 only) in its own process group. Then
-CONCURRENCY client threads (stdlib urllib only) send /v1/completions for MINUTES: text prompts
-of 8 to ~2,800 tokens, a third of them opening with one of three long shared prefixes (prefix
-cache hits with MTP), max_tokens 16 to 512 (``ignore_eos``, so the length is known), every other
-request streamed (SSE, with ``stream_options.include_usage``). Each request has a deadline
-(REQUEST_TIMEOUT); one that runs past it is a timeout. A request that fails, returns a status
-other than 200, ends without ``finish_reason == "length"`` or returns a number of tokens other
-than max_tokens is an error. Every SAMPLE_S seconds a sampler reads the server's
-``/metrics`` (``vllm:generation_tokens_total``) and the client's counters: tokens/s over the
-window, requests done, errors, timeouts. After MINUTES no new request starts; the in-flight ones
-finish (bounded by their deadline), the server's process group is killed, the ballast freed.
-With --gpu-memory-utilization U (or SOAK_GPU_UTIL=U) there is no ballast: the server's ranks
-are capped at U of their card, so other GPU work can run beside the soak (its tokens/s then
-dip while that work runs).
+What it does: writes the model (``gpu_models.write_model(PRESET, weights="random")``, default
+``small-hybrid`` with MTP), holds ballast (GPU 0: 32 GiB free, GPU 1: 16 GiB) and starts ``vllm
+serve`` with PP=2 through the plugin (MTP with 2 tokens when the model has MTP weights; eager,
+max_model_len 4096, 127.0.0.1 only). CONCURRENCY client threads send /v1/completions for MINUTES:
+prompts of 8 to ~2,800 tokens, a third opening with one of three long shared prefixes, max_tokens
+16 to 512 (``ignore_eos``), every other request streamed. A request past REQUEST_TIMEOUT is a
+timeout; one that fails, is not 200, does not end with ``finish_reason == "length"`` or returns
+another number of tokens is an error. Every SAMPLE_S seconds the server's ``/metrics`` and the
+client's counters are sampled. With --gpu-memory-utilization U (or SOAK_GPU_UTIL=U) there is no
+ballast: each rank is capped at U of its card, so other GPU work can run beside it.
 
 Writes OUTDIR/soak.json (config, boot time, MTP on or off and why, totals, latency percentiles,
 every sample, the first errors) and OUTDIR/soak.png (tokens/s over time, matplotlib: the
-``benchmark`` extra). Recorded runs go to benchmarks/results/. Exit code 0 only if the server booted, requests were
-served, and there were 0 errors and 0 timeouts.
+``benchmark`` extra); recorded runs go to benchmarks/results/. Exit code 0 only if the server
+booted, requests were served, and there were 0 errors and 0 timeouts.
 """
 
 from __future__ import annotations

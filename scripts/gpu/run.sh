@@ -12,8 +12,7 @@
 #   memory  benchmarks/memory_sweep.py OUTDIR/memory   (table, JSON, plot)
 #   soak    benchmarks/soak.py OUTDIR/soak             (longer than 10 min: start it with setsid nohup)
 #   fp8     benchmarks/fp8_tuning.py OUTDIR/fp8        (tuned files, default-vs-tuned table)
-# Each step's processes are ended by the step itself (tests/gpu/gpu_harness.stop_group; the
-# benchmarks also on SIGTERM, which STEP_LIMIT's timeout sends). Exit status: 1 if any step failed.
+# Each step ends its own processes (gpu_harness.stop_group, also on STEP_LIMIT's SIGTERM). Exit 1 if a step failed.
 set -uo pipefail
 OUTDIR=${1:?usage: run.sh OUTDIR [tests] [memory] [soak] [fp8] [-- PYTEST_ARGS...]}
 shift

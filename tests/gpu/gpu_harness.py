@@ -1,13 +1,9 @@
-"""What the GPU tests and the benchmarks share: processes in their own group and the one way to end
-them, ballast (memory held by another process, to emulate a smaller card), ``vllm.LLM`` in a
-fresh process, ``vllm serve`` as a context (after vLLM's ``tests/utils.py:RemoteOpenAIServer``),
-the plugin's log lines, and the pytest fixtures built on them.
-
-Every child runs without ``VLLM_TARGET_DEVICE`` (tests/conftest.py sets it to ``cpu`` for the CPU
-tests; a GPU child that kept it would boot vLLM's CPU platform) and with ``PYTHONSAFEPATH=1``
-(``python -m`` must import the installed package, which has the built extension, not this
-checkout). Run as a script, this module is the ballast: ``python gpu_harness.py ballast GPU FREE_GIB READY``.
-"""
+"""What the GPU tests and benchmarks share: processes in a group of their own and the one way to end
+them, ballast (memory held by another process: a smaller card), ``vllm.LLM`` in a fresh process,
+``vllm serve`` as a context (after vLLM's RemoteOpenAIServer), the plugin's log lines, fixtures.
+Children run without ``VLLM_TARGET_DEVICE`` (the CPU tests' ``cpu``) and with ``PYTHONSAFEPATH=1``
+(the installed package, with its extension, not this checkout). ``python gpu_harness.py ballast
+GPU FREE_GIB READY`` is the ballast."""
 
 from __future__ import annotations
 

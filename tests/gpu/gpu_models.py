@@ -1,24 +1,13 @@
 """The small models of the GPU tests and benchmarks: presets, and folders written from them.
 
-Nothing is downloaded. ``write_model(preset, dir)`` writes config.json and a tokenizer (run vLLM
-with load_format="dummy"); ``weights="random"`` also saves seeded random weights with
-transformers, so two runs of the same model can be compared token for token.
-
-Presets ``*-hybrid`` are Qwen3.5-style text models (``Qwen3_5ForCausalLM``, model_type
-``qwen3_5_text``): three Gated DeltaNet (linear attention) layers per full-attention layer, as
-in Qwen3.5 (``small-attn-mtp``: the same model with every layer full attention), plus one MTP
-layer (``mtp_num_hidden_layers: 1``) so vLLM can run them with
-``speculative_config={"method": "mtp", ...}``. transformers builds the main model but has no
-MTP module (it ignores ``mtp.*`` keys on load), so the MTP weights (``mtp.fc``, the three MTP
-norms and one full-attention decoder layer, named as in Qwen3.5 checkpoints) are written here,
-seeded, to ``model-mtp.safetensors``; their shapes are taken from the main model's own
-full-attention layer. A random drafter rarely agrees with the target, so most drafts are
-rejected: the tokens stay the target's greedy tokens, which is what the tests compare.
-
-Also here: the speculative-decoding target and its EAGLE3 drafter (``spec-hybrid``,
-``EAGLE3_CONFIG``), the Qwen3.5 vision model (``write_vision_model``) and the checkpoint pair
-with an INT8-packed embedding (``write_embed_checkpoints``). Importable without torch: CPU tests
-build vLLM configs from these presets.
+Nothing is downloaded. ``write_model(preset, dir)`` writes config.json and a tokenizer (for
+load_format="dummy"); ``weights="random"`` also saves seeded weights, so two runs can be compared
+token for token. ``*-hybrid`` presets are Qwen3.5-style text models (three Gated DeltaNet layers
+per full-attention layer) with one MTP layer; transformers has no MTP module, so its weights
+(named as in Qwen3.5 checkpoints, shaped from the model's own full-attention layer) are written
+here to ``model-mtp.safetensors``. A random drafter rarely agrees with the target: the tokens stay
+the target's greedy tokens. Also the EAGLE3 drafter, the vision model and the checkpoint pair with
+an INT8-packed embedding. Importable without torch (CPU tests build vLLM configs from these).
 """
 
 from __future__ import annotations
@@ -88,10 +77,6 @@ PRESETS = {
     # MTP layer, but no GDN layer, so it runs in float32 (vLLM 0.30's GDN prefill does not).
     "small-attn-mtp": lambda: _small_qwen3_5(full_every=1),
 }
-
-
-def is_hybrid(cfg: dict) -> bool:
-    return "linear_attention" in cfg.get("layer_types", ())
 
 
 def has_mtp(model_dir: Path) -> bool:

@@ -1,24 +1,13 @@
-"""Token-for-token comparison of vLLM runs (issue #7): prompts, the engine settings of each run,
-and the comparison itself. Used by tests/gpu/test_gpu_e2e_correctness.py (on GPUs) and by the
-CPU tests that build each run's VllmConfig (tests/integration/test_gpu_run_configs.py).
+"""Token-for-token comparison of vLLM runs (issue #7): prompts, each run's settings, the comparison.
 
-Every run generates the same 32 prompts (token ids, 3 to ~2600 tokens, 4 families of 6 sharing
-a prefix of 150-1700 tokens; 8 to 64 new tokens each, greedy, ``ignore_eos``) in three passes:
-``no-hits`` (prefix cache reset, every request with ``skip_reading_prefix_cache``), ``prefix-hits``
-(cache reset, the 4 family prefixes first, then all 32) and ``full-hits`` (all 32 again).
-
-Exactness: vLLM 0.30 refuses batch-invariant mode for every Mamba/GDN backend, and the GDN
-prefill kernels compute a prompt in chunks whose boundaries move with a prefix-cache hit and with
-the scheduler's batch, so bf16 runs cannot promise bitwise-equal logits: they run with split-K off
-(``CUBLAS_WORKSPACE_CONFIG=:16:8``, ``CUBLASLT_WORKSPACE_SIZE=1``) and a token budget that holds a
-whole pass, and a divergence is accepted only where both runs saw a near tie: the two candidate
-tokens within ``TIE_TOL`` nats in BOTH runs' top-5 logprobs at the first differing position.
-``VLLM_BATCH_INVARIANT=1`` is not used: it sets ``NCCL_ALGO=allreduce:tree``, under which NCCL 2.32
-has no algorithm for the broadcast vLLM 0.30's pipeline uses for sampled tokens, so no PP=2
-engine boots with it (docs/gpu-runs.md). E2E_DTYPE=float32 runs every engine in float32 and
-every comparison strictly (a near tie fails), with ``attention_backend="TRITON_ATTN"`` and
-``TRITON_F32_DEFAULT=ieee``; the hybrid is left out there (no float32 GDN prefill kernel), its MTP
-runs use ``small-attn-mtp`` (the same Qwen3.5 class and MTP layer, every layer full attention).
+32 prompts (token ids, 3 to ~2600 tokens, 4 families of 6 sharing a prefix; 8 to 64 new tokens,
+greedy, ``ignore_eos``) in three passes: ``no-hits`` (cache reset, ``skip_reading_prefix_cache``),
+``prefix-hits`` (cache reset, the family prefixes first) and ``full-hits`` (all again). bf16 runs
+cannot promise bitwise-equal logits (no batch-invariant mode for GDN in vLLM 0.30, and
+``VLLM_BATCH_INVARIANT`` leaves NCCL no algorithm for PP's broadcast): split-K GEMMs are off and a
+divergence passes only as a near tie (both candidates within ``TIE_TOL`` nats in BOTH runs' top-5
+at the first differing position). float32 (E2E_DTYPE) is strict, with Triton attention and IEEE
+products; the hybrid is left out there, ``small-attn-mtp`` runs MTP (docs/gpu-runs.md, float32 notes).
 """
 
 from __future__ import annotations
@@ -166,7 +155,7 @@ def engine_kwargs(model: str, model_dir, pp: int, dtype: str, mtp: bool = False,
         kw["speculative_config"] = dict(MTP)
     if model == "hybrid":
         kw["additional_config"] = gdn_prefill_config()  # the same GDN kernel in every run
-    if dtype == "float32":  # the one attention backend that takes it (FLOAT32_NOTES)
+    if dtype == "float32":  # the one attention backend that takes it (docs/gpu-runs.md, float32 notes)
         kw["attention_backend"] = "TRITON_ATTN"
     return kw
 
@@ -219,42 +208,3 @@ def spec_counters(llm) -> dict:
         if m.name in names and hasattr(m, "value"):
             totals[names[m.name]] += m.value
     return totals
-
-
-# FLOAT32_NOTES: what vLLM 0.30.0 does with dtype=float32 on an H200 (SM 9.0), read from its
-# sources (paths under site-packages/). The float32 runs planned from them have since passed on
-# two H200s, every comparison strict (docs/gpu-runs.md, fifth and sixth sessions).
-# - Attention: the SM 9.x non-MLA priority list is FLASH_ATTN, FLASHINFER, TRITON_ATTN,
-#   FLEX_ATTENTION (vllm/platforms/cuda.py:166-178); FlashAttention and FlashInfer take fp16/bf16
-#   only (vllm/v1/attention/backends/flash_attn.py:284, flashinfer.py:413; checked in
-#   vllm/v1/attention/backend.py:299), Triton takes float32 (triton_attn.py:289-293). So auto
-#   selection lands on TRITON_ATTN; it is named here (attention_backend, vllm/engine/arg_utils.py:
-#   2494-2503) so a refusal is an error at boot (vllm/platforms/cuda.py:460-476), not a fallback.
-# - TF32: the Triton attention kernel's tl.dot calls name no precision
-#   (vllm/v1/attention/ops/triton_unified_attention.py:545-589), and Triton 3.9 defaults fp32 dots
-#   to TF32 on NVIDIA (triton/language/core.py:2284, triton/backends/nvidia/compiler.py:139)
-#   unless TRITON_F32_DEFAULT is set (triton/knobs.py:498; part of Triton's cache key): float32
-#   runs set TRITON_F32_DEFAULT=ieee. cuBLAS stays IEEE: workers call
-#   torch.set_float32_matmul_precision(VLLM_FLOAT32_MATMUL_PRECISION), default "highest"
-#   (vllm/v1/worker/gpu_worker.py:199-201, vllm/envs.py:611-616); set explicitly here too.
-#   Decode batches of at most 128 // kv_heads sequences use the 3D (split-softmax) kernel, others
-#   the 2D one (triton_unified_attention.py:1046-1055): batch composition still changes the
-#   reduction order, at float32 rounding (~1e-7) instead of bf16's.
-# - GDN (Qwen3.5): refused. The prefill kernels take no float32: FLA's chunk_gated_delta_rule
-#   asserts q.dtype != float32 (vllm/third_party/flash_linear_attention/ops/chunk.py:212-215,
-#   used for gdn_prefill_backend=triton, which gpurun.gdn_prefill_config sets); FlashInfer's SM90
-#   kernel raises for anything but fp16/bf16 (flashinfer/gdn_kernels/delta_rule_dsl/
-#   delta_rule_sm90.py:2326-2331; its CP variant too, flashinfer/gdn_prefill.py:86-87); CuTe DSL
-#   is SM100 only (vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py:133-148). No
-#   setting avoids them. The profile-time warmup swallows the error (qwen_gdn_linear_attn.py:
-#   1157-1178), so the engine would boot and fail at its first prefill: float32 runs leave the
-#   hybrid out (FP32_LEFT_OUT). The rest would take float32: causal_conv1d casts to the conv-state
-#   dtype with no check (vllm/model_executor/layers/mamba/ops/causal_conv1d.py:557, 1160), the
-#   recurrent decode kernels compute in float32 (flash_linear_attention/ops/fused_recurrent.py:
-#   120-143, fused_sigmoid_gating.py:120-136), the fused CUDA decode falls back to Triton for
-#   non-bf16 models (qwen_gdn_linear_attn.py:510-557), and the GDN states follow the model dtype
-#   (vllm/model_executor/layers/mamba/mamba_utils.py:98-110).
-# - MTP: the drafter gets the target's dtype (vllm/config/speculative.py:1281); no dtype check.
-#   Prefix caching with mamba_cache_mode "align" has none either
-#   (vllm/model_executor/models/config.py:622-650). CUDA graphs: these runs are enforce_eager;
-#   TRITON_ATTN supports them anyway (triton_attn.py:100).

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from gpu_harness import group_alive, stop_group
 from vllm_dualgpu import envs
 from vllm_dualgpu.engine import planning as apply
 from vllm_dualgpu.engine import preflight
@@ -227,19 +227,16 @@ def serve(tiny_model_dir, extra_env=None, backend="dualgpu", timeout=180):
     finally:
         leftover = _group_alive(p.pid)
         if leftover:
-            os.killpg(p.pid, signal.SIGKILL)
+            stop_group(p.pid, grace=0)
     return p.returncode, out, time.time() - start, leftover
 
 
 def _group_alive(pgid: int, wait: float = 15.0) -> bool:
     """Whether any non-zombie process of the group still runs after `wait` seconds."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts", "gpu"))
-    from gpurun import _group_alive as alive_now
-
     end = time.time() + wait
-    while alive_now(pgid) and time.time() < end:
+    while group_alive(pgid) and time.time() < end:
         time.sleep(0.5)
-    return alive_now(pgid)
+    return group_alive(pgid)
 
 
 @pytest.mark.slow
