@@ -42,7 +42,11 @@ setup(
         "vllm_dualgpu.planner": ["reference/*.json"],
     },
     install_requires=["vllm==0.30.0", "nvidia-ml-py>=12"],
-    extras_require={"test": ["pytest>=8"]},
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout>=2"],
+        # benchmarks/: tables and plots of the GPU measurements
+        "benchmark": ["matplotlib>=3.7"],
+    },
     entry_points={
         "vllm.general_plugins": ["dualgpu = vllm_dualgpu:register"],
         "console_scripts": ["vllm-dualgpu = vllm_dualgpu.cli:main"],

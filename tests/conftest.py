@@ -5,32 +5,31 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 
 FIXTURES = Path(__file__).parent / "fixtures"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# tests/gpu holds the small model presets and the run settings of the GPU tests; CPU tests build
+# those runs' vLLM configs from them (import gpu_models, gpu_tokens).
+sys.path.insert(1, str(Path(__file__).parent / "gpu"))
 
 # vLLM picks its CPU platform only when told; without it config creation cannot infer a device.
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 
-def _has_gpu() -> bool:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        return pynvml.nvmlDeviceGetCount() > 0
-    except Exception:
-        return False
-
-
 def pytest_collection_modifyitems(config, items):
-    if _has_gpu():
+    """A ``gpu`` test is skipped, with the reason, where NVML sees no GPU (tests/gpu marks its own
+    tests with the number of GPUs each needs: gpu_harness.needs_gpus)."""
+    from gpu_harness import gpu_count
+
+    if gpu_count():
         return
-    skip = pytest.mark.skip(reason="needs NVIDIA GPUs (none visible); run scripts/gpu/run_gpu_suite.sh on a GPU machine")
+    skip = pytest.mark.skip(reason="needs NVIDIA GPUs; NVML sees none (on the GPU machine: bash scripts/gpu/run.sh)")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu"):
             item.add_marker(skip)
 
 
@@ -65,6 +64,32 @@ def vllm_version():
 
     vllm.platforms._current_platform = CpuPlatform()
     return vllm.__version__
+
+
+# The weight shapes of a Qwen3.5 27B-class block-FP8 checkpoint (the shipped FP8 configs' seed set).
+SEED_SHAPES = [(14336, 5120), (5120, 6144), (16384, 5120), (34816, 5120), (5120, 17408)]
+
+
+def qwen35_27b(ignore: list[str] | None = None, **text) -> dict:
+    """A Qwen3.5 27B-class block-FP8 config.json (the shapes of the shipped configs)."""
+    layers = 64
+    q = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+         "weight_block_size": [128, 128]}
+    if ignore is not None:
+        q["modules_to_not_convert"] = ignore
+    return {
+        "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+        "quantization_config": q,
+        "text_config": {
+            "model_type": "qwen3_5_text", "hidden_size": 5120, "intermediate_size": 17408,
+            "num_hidden_layers": layers, "num_attention_heads": 24, "num_key_value_heads": 4,
+            "head_dim": 256, "attn_output_gate": True, "full_attention_interval": 4,
+            "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
+            "linear_num_key_heads": 16, "linear_num_value_heads": 48, "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "mtp_num_hidden_layers": 1,
+            **text,
+        },
+    }
 
 
 def registry_patch(name: str):
@@ -129,23 +154,19 @@ def qwen3_5():
 
 
 @pytest.fixture(scope="module")
-def qwen3_5_hybrid_config(qwen3_5, tmp_path_factory):
-    """make(backend="dualgpu", **engine_args) -> vLLM's real VllmConfig of the GPU runs' small
-    Qwen3.5 hybrid (6 Gated DeltaNet + 2 attention layers, one MTP layer) with PP=2."""
+def engine_config(qwen3_5):
+    """make(**engine_args) -> vLLM's real VllmConfig, built on the CPU platform as the plugin's
+    front end builds it (``executor-by-name`` wrapping ``create_engine_config``)."""
     import vllm.model_executor.models.registry as registry
     from vllm.engine.arg_utils import EngineArgs
 
     from vllm_dualgpu.patches.arg_utils import wrap_create_engine_config
 
-    d = tmp_path_factory.mktemp("qwen3_5-hybrid")
-    (d / "config.json").write_text(json.dumps(load_gpu_script("spec_decode_pp").MODEL_CONFIG))
     create = getattr(EngineArgs.create_engine_config, "__wrapped__", None)
     create = wrap_create_engine_config(create or EngineArgs.create_engine_config)
 
-    def make(backend: str = "dualgpu", **kw):
-        kw = {"pipeline_parallel_size": 2, "enable_prefix_caching": True, "max_model_len": 4096, **kw}
-        return create(EngineArgs(model=str(d), load_format="dummy", skip_tokenizer_init=True,
-                                 distributed_executor_backend=backend, **kw))
+    def make(**kw):
+        return create(EngineArgs(**kw))
 
     # vLLM inspects model classes in a subprocess, where the qwen3_5 fixture's stand-in for the
     # torchvision-backed module does not exist: inspect here instead (no CUDA involved).
@@ -161,72 +182,18 @@ def qwen3_5_hybrid_config(qwen3_5, tmp_path_factory):
         c.cache_clear()
 
 
-GPU_SCRIPTS = Path(__file__).resolve().parents[1] / "scripts" / "gpu"
+@pytest.fixture(scope="module")
+def qwen3_5_hybrid_config(engine_config, tmp_path_factory):
+    """make(backend="dualgpu", **engine_args) -> vLLM's real VllmConfig of the GPU tests' small
+    Qwen3.5 hybrid (gpu_models.SPEC_HYBRID: 6 Gated DeltaNet + 2 attention layers, one MTP layer)
+    with PP=2."""
+    import gpu_models
 
+    d = gpu_models.write_config_only(gpu_models.SPEC_HYBRID, tmp_path_factory.mktemp("qwen3_5-hybrid"))
 
-def load_gpu_script(name: str):
-    """scripts/gpu/NAME.py as a module (it imports its sibling scripts by name)."""
-    import importlib.util
+    def make(backend: str = "dualgpu", **kw):
+        kw = {"pipeline_parallel_size": 2, "enable_prefix_caching": True, "max_model_len": 4096, **kw}
+        return engine_config(model=str(d), load_format="dummy", skip_tokenizer_init=True,
+                             distributed_executor_backend=backend, **kw)
 
-    spec = importlib.util.spec_from_file_location(name, GPU_SCRIPTS / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def gpu_script_dry_run(name: str, out: Path, timeout: float) -> Path:
-    """Run scripts/gpu/NAME.py OUT --dry-run on the CPU in a subprocess (vLLM state stays there)."""
-    import subprocess
-    import sys
-
-    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
-    proc = subprocess.run([sys.executable, str(GPU_SCRIPTS / f"{name}.py"), str(out), "--dry-run"], env=env,
-                          capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out
-
-
-# --- stand-in children for the GPU scripts' parents (no vLLM) ---------------------------------
-
-STAND_IN_CHILD = r"""
-import json, os, subprocess, sys, time
-from pathlib import Path
-out, arm = Path(sys.argv[1]), (sys.argv[3] if len(sys.argv) > 3 else "mtp")
-payload = json.loads(Path(os.environ["FAKE_PAYLOAD"]).read_text())[arm]
-if payload.get("hang"):
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    (out / "grandchild.pid").write_text(str(child.pid))
-    time.sleep(600)
-for line in payload["log"]:
-    print(line, flush=True)
-(out / payload.get("file", f"{arm}-child.json")).write_text(json.dumps(payload["result"]))
-"""
-
-
-def use_stand_in_children(monkeypatch, script: Path, payload_file: Path, expected_env: dict | None = None) -> None:
-    """``gpurun.start`` runs STAND_IN_CHILD, with the argv of ``script``'s real child, instead of
-    vLLM. Per arm, PAYLOAD_FILE holds the lines it prints ("log"), what it writes ("result", to
-    "file", default ARM-child.json), or "hang": it sleeps with a grandchild (grandchild.pid)."""
-    import sys
-
-    monkeypatch.syspath_prepend(str(script.parent))
-    import gpurun
-
-    real_start = gpurun.start
-
-    def start(cmd, log, env=None):
-        assert cmd[1] == str(script) and cmd[3] == "--child"
-        assert expected_env is None or env == expected_env
-        return real_start([sys.executable, "-c", STAND_IN_CHILD, *cmd[2:]], log,
-                          env={**(env or {}), "FAKE_PAYLOAD": str(payload_file)})
-
-    monkeypatch.setattr(gpurun, "start", start)
-
-
-def process_gone(pid: int) -> bool:
-    """The process is gone, or a zombie nobody has reaped yet."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return True
-    return state == "Z"
+    return make

@@ -1,27 +1,27 @@
 #!/usr/bin/env bash
-# pytest for the GPU host, which reaches no package index and whose staging (vLLM's wheels)
-# does not promise pytest: the `suite` stage (scripts/gpu/run_gpu_suite.sh) needs it. (The
+# pytest and pytest-timeout for the GPU host, which reaches no package index and whose staging (vLLM's wheels)
+# does not promise them: scripts/gpu/run.sh tests needs them. (The
 # host's Python has had pytest 9.1.1 preinstalled; then `install` leaves it as it is.)
 #
 #     bash scripts/gpu/test_wheels.sh pack [DIR]      # here, with the index: wheels into DIR
 #     bash scripts/gpu/test_wheels.sh install [DIR]   # on the GPU host, after staging
 #
 # DIR defaults to .gputest (git-ignored; about 2 MB, so it travels with one upload). `pack`
-# downloads pytest and the wheels it needs (pluggy, iniconfig, packaging, pygments) for Python
+# downloads pytest, pytest-timeout and the wheels they need (pluggy, iniconfig, packaging, pygments) for Python
 # 3.12. `install` puts each wheel whose module the staged Python cannot import yet into SITE
-# (DUALGPU_SITE, default /tmp/dualgpu-site, where session.sh installs this checkout), with
+# (DUALGPU_SITE, default /tmp/dualgpu-site, where run.sh installs this checkout), with
 # --no-index --no-deps: what the host already has (e.g. packaging) is left as it is.
 # PYTHON overrides the interpreter (default python3).
 set -euo pipefail
 mode=${1:?usage: test_wheels.sh pack|install [DIR]}
 dir=${2:-.gputest}
 PY=${PYTHON:-python3}
-PACKAGES=(pytest pluggy iniconfig packaging pygments)   # each distribution's module has its name
+PACKAGES=(pytest pytest_timeout pluggy iniconfig packaging pygments)   # module names; wheels: pytest_timeout-*.whl
 
 case "$mode" in
   pack)
     mkdir -p "$dir"
-    "$PY" -m pip download -q --only-binary :all: --python-version 3.12 -d "$dir" pytest
+    "$PY" -m pip download -q --only-binary :all: --python-version 3.12 -d "$dir" pytest pytest-timeout
     ls "$dir"
     ;;
   install)

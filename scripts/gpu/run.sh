@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The GPU tests and benchmarks on the GPU machine, results under OUTDIR:
+#
+#     bash scripts/gpu/run.sh OUTDIR [tests] [memory] [soak] [fp8] [-- PYTEST_ARGS...]
+#
+# Run from this checkout after staging vLLM (source the staging step's environment first, or name
+# it in STAGING_ENV). Installs this checkout next to vLLM once per source tree (into DUALGPU_SITE,
+# default /tmp/dualgpu-site), and pytest and pytest-timeout from the wheels uploaded as .gputest
+# (scripts/gpu/test_wheels.sh) when the staged Python lacks them. Then, in order (default: tests):
+#   tests   pytest -m gpu tests/gpu: OUTDIR/gpu-junit.xml (each claim, figures as properties),
+#           OUTDIR/gpu-tests.log, every test's vLLM logs under OUTDIR/tests/ (DUALGPU_GPU_OUT)
+#   memory  benchmarks/memory_sweep.py OUTDIR/memory   (table, JSON, plot)
+#   soak    benchmarks/soak.py OUTDIR/soak             (longer than 10 min: start it with setsid nohup)
+#   fp8     benchmarks/fp8_tuning.py OUTDIR/fp8        (tuned files, default-vs-tuned table)
+# Each step ends its own processes (gpu_harness.stop_group, also on STEP_LIMIT's SIGTERM). Exit 1 if a step failed.
+set -uo pipefail
+OUTDIR=${1:?usage: run.sh OUTDIR [tests] [memory] [soak] [fp8] [-- PYTEST_ARGS...]}
+shift
+steps=() pytest_args=()
+while [ $# -gt 0 ]; do
+  if [ "$1" = "--" ]; then shift; pytest_args=("$@"); break; fi
+  steps+=("$1"); shift
+done
+[ ${#steps[@]} -gt 0 ] || steps=(tests)
+mkdir -p "$OUTDIR" && OUTDIR=$(cd "$OUTDIR" && pwd)
+cd "$(dirname "$0")/../.."
+[ -n "${STAGING_ENV:-}" ] && source "$STAGING_ENV"
+SITE=${DUALGPU_SITE:-/tmp/dualgpu-site}
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PATH="$SITE/bin:$PATH"
+src_hash=$(find vllm_dualgpu csrc kernel_configs setup.py pyproject.toml -type f ! -name '*.pyc' -print0 \
+           | sort -z | xargs -0 sha1sum | sha1sum | cut -c1-16)
+if [ "$(cat "$SITE/.source-hash" 2>/dev/null)" != "$src_hash" ]; then
+  python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade --target "$SITE" . \
+      > "$OUTDIR/install.log" 2>&1 || { tail -20 "$OUTDIR/install.log"; exit 1; }
+  echo "$src_hash" > "$SITE/.source-hash"
+fi
+if [ -d .gputest ]; then DUALGPU_SITE=$SITE bash scripts/gpu/test_wheels.sh install .gputest || exit 1; fi
+nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv,noheader
+status=0
+for step in "${steps[@]}"; do
+  echo "=== $step"
+  case "$step" in
+    tests) DUALGPU_GPU_OUT="$OUTDIR/tests" python3 -m pytest -m gpu tests/gpu -v -rA \
+             --junitxml "$OUTDIR/gpu-junit.xml" "${pytest_args[@]}" > "$OUTDIR/gpu-tests.log" 2>&1
+           rc=$?; tail -40 "$OUTDIR/gpu-tests.log" ;;
+    memory) timeout -k 10 "${STEP_LIMIT:-580}" python3 benchmarks/memory_sweep.py "$OUTDIR/memory"; rc=$? ;;
+    soak) timeout -k 10 "${STEP_LIMIT:-1320}" python3 benchmarks/soak.py "$OUTDIR/soak"; rc=$? ;;
+    fp8) timeout -k 10 "${STEP_LIMIT:-330}" python3 benchmarks/fp8_tuning.py "$OUTDIR/fp8"; rc=$? ;;
+    *) echo "unknown step $step (tests, memory, soak, fp8)" >&2; rc=2 ;;
+  esac
+  echo "=== $step rc=$rc"
+  [ $rc -eq 0 ] || status=1
+done
+exit $status

@@ -1,0 +1,358 @@
+"""What the GPU tests and benchmarks share: processes in a group of their own and the one way to end
+them, ballast (memory held by another process: a smaller card), ``vllm.LLM`` in a fresh process,
+``vllm serve`` as a context (after vLLM's RemoteOpenAIServer), the plugin's log lines, fixtures.
+Children run without ``VLLM_TARGET_DEVICE`` (the CPU tests' ``cpu``) and with ``PYTHONSAFEPATH=1``
+(the installed package, with its extension, not this checkout). ``python gpu_harness.py ballast
+GPU FREE_GIB READY`` is the ballast."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import multiprocessing
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+GiB = 1024**3
+HERE = Path(__file__).resolve().parent
+PLUGIN_LINE = r"vllm-dualgpu \d+\.\d+\.\d+ \("
+RANK_LINE = r"vllm-dualgpu rank \d+/\d+: "
+
+
+# --- GPUs ---------------------------------------------------------------------------------------
+
+
+def gpu_count() -> int:
+    """GPUs NVML sees (0 without a driver or without pynvml)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return pynvml.nvmlDeviceGetCount()
+    except Exception:
+        return 0
+
+
+def needs_gpus(n: int):
+    """Mark a test ``gpu`` and skip it, with the reason, when NVML sees fewer than ``n`` GPUs."""
+    seen = gpu_count()
+
+    def mark(fn):
+        fn = pytest.mark.gpu(fn)
+        return pytest.mark.skipif(seen < n, reason=f"needs {n} NVIDIA GPU{'s' * (n > 1)}; NVML sees {seen}")(fn)
+
+    return mark
+
+
+# --- process groups: start, end (the one cleanup) -----------------------------------------------
+
+RUNNING: set[int] = set()  # process groups started here and not yet ended
+
+
+def child_env(extra: dict | None = None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_TARGET_DEVICE"}
+    # On SIGABRT every Python process of the group writes its threads' stacks (stop_group(dump=True)).
+    env.setdefault("PYTHONFAULTHANDLER", "1")
+    return {**env, **(extra or {}), "PYTHONSAFEPATH": "1"}
+
+
+def start_group(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
+    """``cmd`` as the leader of a new process group, stdout and stderr to ``log``."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                             env=child_env(env))
+    RUNNING.add(p.pid)
+    return p
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether a member of the group still runs. Zombies do not count: a leader not reaped yet,
+    or members reparented to an init that never reaps them."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def stop_group(pgid: int, grace: float = 5.0, dump: bool = False) -> None:
+    """End process group ``pgid``: SIGTERM, then SIGKILL after ``grace`` s; ``dump=True`` first
+    has every Python process write its stacks to its log (for a hang)."""
+    if dump and group_alive(pgid):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGABRT)
+        time.sleep(3.0)
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        if not group_alive(pgid):
+            break
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, sig)
+        end = time.time() + wait
+        while time.time() < end and group_alive(pgid):
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(-pgid, os.WNOHANG)  # reap our own child, the leader
+            time.sleep(0.1)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(-pgid, os.WNOHANG)
+    RUNNING.discard(pgid)
+
+
+def stop_all(*_) -> None:
+    for pgid in list(RUNNING):
+        stop_group(pgid, grace=2.0)
+
+
+atexit.register(stop_all)
+
+
+def on_signals_stop_all() -> None:
+    """A script's SIGTERM/SIGINT/SIGHUP (a time limit, Ctrl-C) ends its groups first."""
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda s, f: (stop_all(), sys.exit(128 + s)))
+
+
+# --- logs ----------------------------------------------------------------------------------------
+
+
+def grep(log: Path, pattern: str) -> list[str]:
+    rx = re.compile(pattern)
+    text = log.read_text(errors="replace") if log.exists() else ""
+    return [line for line in text.splitlines() if rx.search(line)]
+
+
+def tail(log: Path, n: int = 40) -> str:
+    text = log.read_text(errors="replace") if log.exists() else "(no log)"
+    return "\n".join(text.splitlines()[-n:])
+
+
+def applied_names(line: str) -> list[str]:
+    """The patches a plugin line lists as applied ("...: applied a, b; skipped c (why)")."""
+    m = re.search(r"\): applied (.*?); skipped ", line) or re.search(r"\): applied (.*)$", line)
+    return [n.split(" (")[0].strip() for n in m.group(1).split(", ")] if m else []
+
+
+def plugin_lines(log: Path, kind: str) -> list[str]:
+    """The plugin lines of processes of ``kind`` (frontend, engine, worker)."""
+    return [line for line in grep(log, PLUGIN_LINE) if re.search(rf"[(+]{kind}[,+ )]", line)]
+
+
+def assert_applied(log: Path, kind: str, names, at_least: int = 1) -> None:
+    lines = plugin_lines(log, kind)
+    assert len(lines) >= at_least, f"{len(lines)} {kind} plugin lines in {log.name}, expected {at_least}"
+    for line in lines:
+        missing = [n for n in names if n not in applied_names(line)]
+        assert not missing, f"a {kind} process did not apply {missing}: {line}"
+
+
+# --- ballast -------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def ballast(free_gib: list[float | None], logdir: Path):
+    """Leave ``free_gib[i]`` GiB free on GPU i (None: leave it alone) while the block runs; each
+    GPU's memory is held by a process of its own."""
+    groups = []
+    try:
+        for gpu, free in enumerate(free_gib):
+            if free is None:
+                continue
+            ready = logdir / f"ballast{gpu}.ready"
+            ready.unlink(missing_ok=True)
+            p = start_group([sys.executable, str(Path(__file__).resolve()), "ballast", str(gpu), str(free), str(ready)],
+                            logdir / f"ballast{gpu}.log")
+            groups.append(p.pid)
+            end = time.time() + 120
+            while not ready.exists() and time.time() < end and p.poll() is None:
+                time.sleep(0.2)
+            assert ready.exists(), f"ballast on GPU {gpu} did not get ready:\n{tail(logdir / f'ballast{gpu}.log')}"
+        yield
+    finally:
+        for pgid in groups:
+            stop_group(pgid, grace=1.0)
+
+
+def _ballast_main(gpu: int, free_gib: float, ready: str) -> None:
+    import torch
+
+    torch.cuda.set_device(gpu)
+    target = int(free_gib * GiB)
+    held = []
+    while True:
+        free, _ = torch.cuda.mem_get_info(gpu)
+        excess = free - target
+        if excess < 64 * 2**20:
+            break
+        chunk = min(excess, 8 * GiB) if excess > GiB else excess - 16 * 2**20
+        held.append(torch.empty(max(chunk, 1), dtype=torch.uint8, device=f"cuda:{gpu}"))
+    free, total = torch.cuda.mem_get_info(gpu)
+    Path(ready).write_text(f"{free} {total}\n")
+    print(f"ballast on GPU {gpu}: {free / GiB:.2f} GiB free of {total / GiB:.2f}", flush=True)
+    while True:
+        time.sleep(3600)
+
+
+# --- vllm.LLM in a fresh process -----------------------------------------------------------------
+
+
+def _llm_child(engine_kwargs: dict, job, log: str, result: str, env: dict) -> None:
+    os.setsid()  # vLLM's engine and workers join this group; stop_group ends them all
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.environ.pop("VLLM_TARGET_DEVICE", None)
+    os.environ.update(env)
+    t0 = time.time()
+    res: dict = {}
+    try:
+        llm = None
+        if engine_kwargs is not None:
+            from vllm import LLM
+
+            llm = LLM(**engine_kwargs)
+            res["boot_s"] = round(time.time() - t0, 1)
+        res.update(job(llm) if job is not None else {})
+    except Exception as exc:
+        import traceback
+
+        traceback.print_exc()
+        res["error"] = f"{type(exc).__name__}: {exc}"[:3000]
+    res["total_s"] = round(time.time() - t0, 1)
+    Path(result + ".tmp").write_text(json.dumps(res, default=str))
+    os.replace(result + ".tmp", result)
+    sys.stdout.flush()
+    os._exit(0)  # no engine shutdown: the parent ends the whole group
+
+
+def run_llm(engine_kwargs: dict | None, job=None, *, log: Path, timeout: float, env: dict | None = None) -> dict:
+    """``vllm.LLM(**engine_kwargs)`` in a fresh (spawned) process leading its own group; then
+    ``job(llm) -> dict`` there (a module-level function; ``engine_kwargs=None``: ``job(None)``
+    without an engine). Returns its dict plus ``boot_s``, or
+    ``error`` (what LLM or the job raised), ``timed_out``, ``wall_s`` and ``log``."""
+    result = log.with_suffix(".result.json")
+    result.unlink(missing_ok=True)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    env = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1", "PYTHONFAULTHANDLER": "1", **(env or {})}
+    p = multiprocessing.get_context("spawn").Process(target=_llm_child,
+                                                      args=(engine_kwargs, job, str(log), str(result), env))
+    t0 = time.time()
+    p.start()
+    RUNNING.add(p.pid)
+    try:
+        while time.time() - t0 < timeout and p.is_alive() and not result.exists():
+            time.sleep(0.25)
+        timed_out = not result.exists() and p.is_alive()
+    finally:
+        stop_group(p.pid, grace=3.0, dump=not result.exists() and p.is_alive())
+        p.join(timeout=5)
+    res = json.loads(result.read_text()) if result.exists() else {"error": "no result"}
+    return {**res, "timed_out": timed_out, "wall_s": round(time.time() - t0, 1), "log": log}
+
+
+def assert_ran(res: dict) -> None:
+    assert not res["timed_out"], f"vLLM did not finish within the limit:\n{tail(res['log'])}"
+    assert "error" not in res, f"{res['error']}\n{tail(res['log'])}"
+
+
+# --- vllm serve ----------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VllmServer:
+    """``vllm serve MODEL ARGS`` in its own process group; ready once /health answers 200; the
+    group is ended on exit (after vLLM's RemoteOpenAIServer)."""
+
+    def __init__(self, model: str, args: list[str], *, log: Path, env: dict | None = None, timeout: float = 300):
+        self.model, self.log, self.port = model, log, free_port()
+        self.cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, *args,
+                    "--port", str(self.port)]
+        self.env, self.timeout = env, timeout
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def __enter__(self) -> VllmServer:
+        t0 = time.time()
+        self.proc = start_group(self.cmd, self.log, self.env)
+        try:
+            while True:
+                assert self.proc.poll() is None, f"vllm serve exited ({self.proc.returncode}):\n{tail(self.log)}"
+                assert time.time() - t0 < self.timeout, f"vllm serve not healthy in {self.timeout:.0f} s:\n{tail(self.log)}"
+                with contextlib.suppress(OSError):
+                    with urllib.request.urlopen(self.url("/health"), timeout=2) as r:
+                        if r.status == 200:
+                            break
+                time.sleep(1.0)
+        except BaseException:
+            stop_group(self.proc.pid, dump=self.proc.poll() is None)
+            raise
+        self.ready_s = round(time.time() - t0, 1)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        stop_group(self.proc.pid)
+
+    def post(self, path: str, body: dict, timeout: float = 120) -> dict:
+        req = urllib.request.Request(self.url(path), json.dumps(body).encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def complete(self, prompts: list[str], max_tokens: int = 16) -> list[str]:
+        """Greedy completions, in prompt order."""
+        resp = self.post("/v1/completions", {"model": self.model, "prompt": prompts, "max_tokens": max_tokens,
+                                             "temperature": 0})
+        return [c["text"] for c in sorted(resp["choices"], key=lambda c: c["index"])]
+
+
+# --- fixtures ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def gpu_out(request, tmp_path) -> Path:
+    """This test's folder for logs: under $DUALGPU_GPU_OUT (the launcher collects it) or tmp_path."""
+    root = os.environ.get("DUALGPU_GPU_OUT")
+    if not root:
+        return tmp_path
+    d = Path(root) / re.sub(r"[^\w.-]+", "_", request.node.nodeid)
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    """model_dir(preset, weights="dummy") -> a folder written once per session (gpu_models)."""
+    import gpu_models
+
+    made: dict = {}
+
+    def get(preset: str, weights: str = "dummy") -> Path:
+        key = (preset, weights)
+        if key not in made:
+            made[key] = gpu_models.write_model(preset, tmp_path_factory.mktemp(f"{preset}-{weights}"), weights)
+        return made[key]
+
+    return get
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["ballast"]:
+    _ballast_main(int(sys.argv[2]), float(sys.argv[3]), sys.argv[4])

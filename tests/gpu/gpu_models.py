@@ -1,0 +1,426 @@
+"""The small models of the GPU tests and benchmarks: presets, and folders written from them.
+
+Nothing is downloaded. ``write_model(preset, dir)`` writes config.json and a tokenizer (for
+load_format="dummy"); ``weights="random"`` also saves seeded weights, so two runs can be compared
+token for token. ``*-hybrid`` presets are Qwen3.5-style text models (three Gated DeltaNet layers
+per full-attention layer) with one MTP layer; transformers has no MTP module, so its weights
+(named as in Qwen3.5 checkpoints, shaped from the model's own full-attention layer) are written
+here to ``model-mtp.safetensors``. A random drafter rarely agrees with the target: the tokens stay
+the target's greedy tokens. Also the EAGLE3 drafter, the vision model and the checkpoint pair with
+an INT8-packed embedding. Importable without torch (CPU tests build vLLM configs from these).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+FP8_BLOCK = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+             "weight_block_size": [128, 128]}
+
+
+def qwen3(layers, hidden, heads, kv_heads, head_dim, inter, vocab, **extra):
+    cfg = {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+        "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+        "vocab_size": vocab, "max_position_embeddings": 262144, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000, "torch_dtype": "bfloat16", "tie_word_embeddings": False,
+        "hidden_act": "silu", "attention_bias": False, "bos_token_id": 1, "eos_token_id": 2,
+    }
+    cfg.update(extra)
+    return cfg
+
+
+def qwen3_5(layers, hidden, heads, kv_heads, head_dim, inter, vocab, lin_k_heads, lin_v_heads,
+            lin_head_dim, full_every=4, mtp_layers=1, **extra):
+    """A Qwen3.5-style hybrid: Gated DeltaNet layers with a full-attention layer every
+    ``full_every`` layers (the last of each group), gated attention output, partial RoPE."""
+    cfg = {
+        "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
+        "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+        "layer_types": ["full_attention" if (i + 1) % full_every == 0 else "linear_attention"
+                        for i in range(layers)],
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": lin_head_dim,
+        "linear_value_head_dim": lin_head_dim, "linear_num_key_heads": lin_k_heads,
+        "linear_num_value_heads": lin_v_heads,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000,
+                            "partial_rotary_factor": 0.25},
+        "vocab_size": vocab, "max_position_embeddings": 262144, "rms_norm_eps": 1e-6,
+        "torch_dtype": "bfloat16", "tie_word_embeddings": False, "hidden_act": "silu",
+        "attention_bias": False, "mtp_num_hidden_layers": mtp_layers,
+        "bos_token_id": 1, "eos_token_id": 2,
+    }
+    cfg.update(extra)
+    return cfg
+
+
+def _small_qwen3_5(**kw):
+    return qwen3_5(8, 512, 8, 2, 256, 1536, 4096, lin_k_heads=4, lin_v_heads=8, lin_head_dim=128, **kw)
+
+
+PRESETS = {
+    # Boots in seconds; for plumbing tests.
+    "tiny-dense": lambda: qwen3(4, 256, 4, 2, 64, 512, 2048),
+    # Small but real enough for greedy-equality tests with random weights.
+    "small-dense": lambda: qwen3(8, 512, 8, 4, 64, 1536, 4096),
+    # Qwen3-14B-class shapes with block-FP8 weights (dummy): the memory benchmark's model.
+    "qwen3-14b-fp8": lambda: qwen3(40, 5120, 40, 8, 128, 17408, 151936, quantization_config=FP8_BLOCK),
+    # Qwen3.5-style GDN hybrid with one MTP layer; the hybrid counterpart of small-dense
+    # (head dims as in Qwen3.5: 256 for attention, 128 for the linear-attention heads).
+    "small-hybrid": lambda: _small_qwen3_5(),
+    # small-hybrid with every layer full attention: the same Qwen3.5 model class, attention and
+    # MTP layer, but no GDN layer, so it runs in float32 (vLLM 0.30's GDN prefill does not).
+    "small-attn-mtp": lambda: _small_qwen3_5(full_every=1),
+}
+
+
+def has_mtp(model_dir: Path) -> bool:
+    """Whether a model directory holds MTP weights vLLM's ``method: mtp`` can load."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    if not cfg.get("mtp_num_hidden_layers"):
+        return False
+    return any(_safetensors_names(f, prefix="mtp.") for f in Path(model_dir).glob("*.safetensors"))
+
+
+def _safetensors_names(path: Path, prefix: str = "") -> list[str]:
+    """Tensor names in a safetensors file, read from its JSON header (no torch needed)."""
+    import struct
+
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return [k for k in header if k != "__metadata__" and k.startswith(prefix)]
+
+
+def write_tokenizer(out: Path, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ("the a of to and in is it you that he was for on are with as I his they be at one "
+             "have this from or had by hot word but what some we can out other were all there "
+             "when up use your how said an each she which do their time if will way about many "
+             "then them write would like so these her long make thing see him two has look more "
+             "day could go come did number sound no most people my over know water than call "
+             "first who may down side been now find any new work part take get place made live "
+             "where after back little only round man year came show every good me give our under "
+             "planet mercury venus earth mars jupiter saturn uranus neptune sun moon star").split()
+    corpus = [" ".join(words[i:] + words[:i]) for i in range(len(words))] * 4
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=min(vocab_size, 1000), special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+    fast.save_pretrained(str(out))
+
+
+def write_random_weights(out: Path, cfg: dict, seed: int) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
+    if cfg["model_type"] == "qwen3_5_text":
+        # transformers resolves qwen3_5_text to its CausalLM; make sure it did not pick a
+        # multimodal class that would save the weights under another prefix.
+        assert type(config).__name__ == "Qwen3_5TextConfig", type(config).__name__
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
+    # Larger-than-default init keeps greedy outputs varied instead of collapsing to one token.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.05)
+    model.save_pretrained(str(out), safe_serialization=True)
+    if cfg.get("mtp_num_hidden_layers"):
+        write_mtp_weights(out, cfg, model.state_dict(), seed)
+
+
+def mtp_tensors(cfg: dict, state: dict, seed: int) -> dict:
+    """Seeded MTP weights named as in Qwen3.5 checkpoints (``mtp.*``), shaped from ``state``.
+
+    Each MTP decoder layer copies the shapes of the main model's first full-attention layer
+    (the MTP layer is a full-attention layer); ``mtp.fc`` maps [embedding; hidden] (2 x hidden)
+    to hidden. Norms are Gemma-style (1 + weight) and start at zero, as transformers
+    initialises them; matrices get the same N(0, 0.05) as the main model.
+    """
+    import torch
+
+    full = cfg["layer_types"].index("full_attention")
+    src = f"model.layers.{full}."
+    template = {k[len(src):]: v for k, v in state.items() if k.startswith(src)}
+    if not template:
+        raise ValueError(f"no weights under {src!r} to shape the MTP layer from")
+    hidden = cfg["hidden_size"]
+    gen = torch.Generator().manual_seed(seed + 1)
+
+    def randn(shape):
+        return (torch.randn(shape, generator=gen) * 0.05).to(torch.bfloat16)
+
+    out = {"mtp.fc.weight": randn((hidden, 2 * hidden))}
+    for norm in ("mtp.norm.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.pre_fc_norm_embedding.weight"):
+        out[norm] = torch.zeros(hidden, dtype=torch.bfloat16)
+    for i in range(cfg["mtp_num_hidden_layers"]):
+        for name, t in sorted(template.items()):
+            key = f"mtp.layers.{i}.{name}"
+            out[key] = randn(tuple(t.shape)) if t.dim() >= 2 else torch.zeros(tuple(t.shape), dtype=torch.bfloat16)
+    return out
+
+
+def write_mtp_weights(out: Path, cfg: dict, state: dict, seed: int) -> None:
+    from safetensors.torch import save_file
+
+    tensors = mtp_tensors(cfg, state, seed)
+    name = "model-mtp.safetensors"
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / name), metadata={"format": "pt"})
+    index = out / "model.safetensors.index.json"
+    if index.exists():  # sharded checkpoint: loaders follow the index, so list the MTP file
+        data = json.loads(index.read_text())
+        data.setdefault("weight_map", {}).update({k: name for k in tensors})
+        index.write_text(json.dumps(data, indent=1))
+
+
+def gdn_prefill_config() -> dict:
+    """``additional_config`` for hybrid (GDN) models: the same GDN prefill kernel in every run.
+
+    vLLM picks FlashInfer's on SM 9.0, which needs the CuTe DSL (nvidia-cutlass-dsl); Triton's
+    runs wherever vLLM does. ``GDN_PREFILL_BACKEND`` overrides.
+    """
+    return {"gdn_prefill_backend": os.environ.get("GDN_PREFILL_BACKEND", "triton")}
+
+
+def write_model(preset: str, out: Path, weights: str = "dummy", seed: int = 0) -> Path:
+    """A model folder for ``preset``: config.json, a tokenizer, and with weights="random" seeded
+    weights (MTP weights too for presets with an MTP layer). Returns ``out``."""
+    cfg = PRESETS[preset]()
+    out.mkdir(parents=True, exist_ok=True)
+    if weights == "random":
+        write_random_weights(out, cfg, seed)
+    elif weights != "dummy":
+        raise ValueError(f"weights must be 'dummy' or 'random', not {weights!r}")
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    write_tokenizer(out, cfg["vocab_size"])
+    return out
+
+
+# --- speculative decoding under PP: the target and an EAGLE3 drafter -----------------------------
+
+SPEC_HYBRID = {
+    "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "vocab_size": 8192,
+    "hidden_size": 1024, "intermediate_size": 2048,
+    "num_hidden_layers": 8,  # 6 Gated DeltaNet + 2 full attention; 4 layers per PP rank
+    "full_attention_interval": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128,
+    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "linear_num_key_heads": 4, "linear_num_value_heads": 8, "mtp_num_hidden_layers": 1,
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000, "partial_rotary_factor": 0.25},
+    "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "bos_token_id": 1, "eos_token_id": 2,
+}
+PRESETS["spec-hybrid"] = lambda: dict(SPEC_HYBRID)
+
+# EAGLE3 (vLLM 0.30.0 file:line under site-packages/vllm/): ``LlamaForCausalLMEagle3`` maps to
+# llama_eagle3.Eagle3LlamaForCausalLM (model_executor/models/registry.py:663); hidden size and
+# vocabulary are the target's (the first layer concatenates its embedding with the target's
+# states, llama_eagle3.py:82 and :270; no d2t table, :339); the runner reads the target's layers
+# from ``eagle_aux_hidden_state_layer_ids`` (v1/worker/gpu/spec_decode/eagle/eagle3_utils.py:106),
+# the drafter sizes its fc from ``eagle_config`` (llama_eagle3.py:213-221). [2, 4, 5] is vLLM's
+# default for 8 layers ((2, n//2, n-3), interfaces.py:1733): with the 4/4 split ids 2 and 4 are
+# captured on rank 0 and relayed to rank 1, id 5 on rank 1.
+EAGLE3_AUX_LAYERS = [2, 4, 5]
+_FROM_TARGET = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "vocab_size", "max_position_embeddings", "rms_norm_eps", "hidden_act",
+                "attention_bias", "tie_word_embeddings", "torch_dtype", "bos_token_id", "eos_token_id")
+EAGLE3_CONFIG = {
+    "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+    **{k: SPEC_HYBRID[k] for k in _FROM_TARGET},
+    "num_hidden_layers": 1, "draft_vocab_size": SPEC_HYBRID["vocab_size"],
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000},
+    "eagle_aux_hidden_state_layer_ids": EAGLE3_AUX_LAYERS,
+    "eagle_config": {"eagle_aux_hidden_state_layer_ids": EAGLE3_AUX_LAYERS, "use_aux_hidden_state": True},
+}
+EAGLE3_DRAFTER_CLASS = "vllm.model_executor.models.llama_eagle3.Eagle3LlamaForCausalLM"
+
+
+def write_config_only(cfg: dict, out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    return out
+
+
+def aux_layer_ranks(layer_ids, bounds: list[tuple[int, int]]) -> dict[int, int]:
+    """The PP rank that captures each auxiliary state, given each rank's layers [start, end)
+    (vLLM's ``get_pp_indices``). Id L is the state after layer L - 1 (id 0, the input, on the
+    first rank), so a rank captures the ids in (start, end]."""
+    ranks = {}
+    for layer in layer_ids:
+        for rank, (lo, hi) in enumerate(bounds):
+            if (layer == 0 and rank == 0) or lo < layer <= hi:
+                ranks[int(layer)] = rank
+                break
+    return ranks
+
+
+# --- a Qwen3.5 multimodal model (the vision tower on the first rank only) ------------------------
+
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+TOKEN_KEYS = ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id")
+VISION_TEXT_CONFIG = {
+    **{k: v for k, v in SPEC_HYBRID.items() if k not in ("architectures", "model_type", "mtp_num_hidden_layers")},
+    "model_type": "qwen3_5_text",
+    "head_dim": 256,  # rotary dim 256 * 0.25 = 64 = 2 * sum(mrope_section), as in Qwen3.5
+    "rope_parameters": {**SPEC_HYBRID["rope_parameters"], "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+}
+VISION_CONFIG = {  # Qwen3_VisionTransformer (qwen3_vl.py:564-665); head_dim 256 / 4 = 64
+    "model_type": "qwen3_5", "depth": 2, "hidden_size": 256, "intermediate_size": 512, "num_heads": 4,
+    "in_channels": 3, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+    "num_position_embeddings": 2304, "out_hidden_size": VISION_TEXT_CONFIG["hidden_size"],
+    "deepstack_visual_indexes": [], "hidden_act": "gelu_pytorch_tanh",
+}
+IMAGE_PROCESSOR = {  # as Qwen3.5's own file, with at most 512x512 pixels per image
+    "size": {"longest_edge": 512 * 512, "shortest_edge": 64 * 64}, "patch_size": 16, "temporal_patch_size": 2,
+    "merge_size": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3, "processor_class": "Qwen3VLProcessor",
+    "image_processor_type": "Qwen2VLImageProcessorFast",
+}
+VIDEO_PROCESSOR = {**{k: v for k, v in IMAGE_PROCESSOR.items() if k != "image_processor_type"},
+                   "video_processor_type": "Qwen3VLVideoProcessor", "fps": 2, "min_frames": 4, "max_frames": 8}
+
+
+def write_vision_model(out: Path) -> Path:
+    """``Qwen3_5ForConditionalGeneration``: the spec-hybrid text model without MTP and a 2-block
+    vision encoder, dummy weights; a tokenizer with the four vision tokens (their ids in
+    config.json) and the HF processor files vLLM's profiling needs offline."""
+    from transformers import AutoTokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(out, VISION_TEXT_CONFIG["vocab_size"])
+    tok = AutoTokenizer.from_pretrained(str(out))
+    tok.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
+    tok.save_pretrained(str(out))
+    ids = {key: tok.convert_tokens_to_ids(t) for key, t in zip(TOKEN_KEYS, VISION_TOKENS)}
+    config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+              "text_config": VISION_TEXT_CONFIG, "vision_config": VISION_CONFIG, **ids,
+              "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    (out / "preprocessor_config.json").write_text(json.dumps(IMAGE_PROCESSOR, indent=1))
+    (out / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PROCESSOR, indent=1))
+    return out
+
+
+# --- an INT8-packed embedding (compressed-tensors pack-quantized) --------------------------------
+
+EMBED = "model.embed_tokens"  # the checkpoint's one embedding; the MTP predictor loads it too
+BITS, GROUP = 8, 128
+PACK = 32 // BITS  # values per int32 word
+OFFSET = 1 << (BITS - 1)  # stored value = q + OFFSET
+QMAX = OFFSET - 1
+EMBED_QUANT_CONFIG = {
+    "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+    "config_groups": {"embeddings": {"targets": ["re:.*embed_tokens$"], "weights": {
+        "num_bits": BITS, "type": "int", "symmetric": True, "strategy": "group", "group_size": GROUP,
+        "dynamic": False, "actorder": None, "observer": "minmax"}}},
+    "ignore": ["lm_head"],
+}
+
+
+def quantize(w):
+    """[vocab, hidden] -> (q int32 in [-QMAX, QMAX], scale bf16 [vocab, hidden // GROUP]).
+    Power-of-two scales: q * scale needs at most 8 significant bits, exact in bf16."""
+    import torch
+
+    v, h = w.shape
+    groups = w.float().reshape(v, h // GROUP, GROUP)
+    absmax = groups.abs().amax(-1).clamp_min(1e-8)
+    scale = torch.exp2(torch.ceil(torch.log2(absmax / QMAX))).to(torch.bfloat16)
+    q = torch.round(groups / scale.float().unsqueeze(-1)).clamp(-QMAX, QMAX)
+    return q.to(torch.int32).reshape(v, h), scale
+
+
+def pack(q):
+    """int values [vocab, hidden] -> int32 words [vocab, hidden // PACK] (value c at bits
+    8*(c % 4) of word c // 4, stored + 128, as compressed-tensors' pack_to_int32)."""
+    import torch
+
+    v, h = q.shape
+    shifts = torch.arange(PACK, dtype=torch.int64) * BITS
+    words = ((q.to(torch.int64) + OFFSET).reshape(v, h // PACK, PACK) << shifts).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def unpack(packed, hidden: int):
+    """The kernel's bit logic in torch: q = ((word >> shift) & mask) - OFFSET, int32 throughout."""
+    import torch
+
+    col = torch.arange(hidden)
+    shift = ((col % PACK) * BITS).to(torch.int32)
+    return ((packed[:, col // PACK] >> shift) & ((1 << BITS) - 1)) - OFFSET
+
+
+def dequantize(packed, scale, hidden: int):
+    """The kernel's row: q.to(float32) * scale.to(float32), cast to the scale's dtype (bf16)."""
+    import torch
+
+    grp = torch.arange(hidden) // GROUP
+    return (unpack(packed, hidden).to(torch.float32) * scale[:, grp].to(torch.float32)).to(scale.dtype)
+
+
+def table_sha256(table) -> str:
+    import torch
+
+    return hashlib.sha256(table.contiguous().view(torch.int16).cpu().numpy().tobytes()).hexdigest()
+
+
+def write_embed_checkpoints(out: Path, preset: str = "small-hybrid", seed: int = 0) -> dict[str, Path]:
+    """OUT/dense and OUT/quantized from one set of seeded weights: ``model.embed_tokens`` stored
+    as pack-quantized INT8 (groups of 128, symmetric) in one, as the dequantized bf16 table in the
+    other (power-of-two scales: both embed every token to bitwise the same vector)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    cfg = PRESETS[preset]()
+    dirs = {"dense": out / "dense", "quantized": out / "quantized"}
+    dense, quant = dirs["dense"], dirs["quantized"]
+    if (quant / "config.json").exists():
+        return dirs
+    shutil.rmtree(dense, ignore_errors=True)
+    shutil.rmtree(quant, ignore_errors=True)
+    write_random_weights(dense, cfg, seed)
+    state = load_file(str(dense / "model.safetensors"))
+    w = state.pop(f"{EMBED}.weight")
+    q, scale = quantize(w)
+    packed = pack(q)
+    quant.mkdir(parents=True)
+    save_file({**state, f"{EMBED}.weight_packed": packed, f"{EMBED}.weight_scale": scale,
+               f"{EMBED}.weight_shape": torch.tensor(list(w.shape))},
+              str(quant / "model.safetensors"), metadata={"format": "pt"})
+    save_file({**state, f"{EMBED}.weight": dequantize(packed, scale, w.shape[1])},
+              str(dense / "model.safetensors"), metadata={"format": "pt"})
+    for name in ("model-mtp.safetensors", "generation_config.json"):
+        if (dense / name).exists():
+            shutil.copyfile(dense / name, quant / name)
+    (dense / "config.json").write_text(json.dumps(cfg, indent=1))
+    # Last: its presence means both checkpoints are complete.
+    (quant / "config.json").write_text(json.dumps({**cfg, "quantization_config": EMBED_QUANT_CONFIG}, indent=1))
+    return dirs
+
+
+def embed_expected(dirs: dict[str, Path]) -> dict:
+    """What a GPU run should show, from the files: sizes and the dense table's digest."""
+    from safetensors import safe_open
+
+    with safe_open(str(dirs["quantized"] / "model.safetensors"), "pt") as f:
+        params = {n: f.get_tensor(f"{EMBED}.{n}") for n in ("weight_packed", "weight_scale", "weight_shape")}
+    nbytes = {n: t.numel() * t.element_size() for n, t in params.items()}
+    with safe_open(str(dirs["dense"] / "model.safetensors"), "pt") as f:
+        table = f.get_tensor(f"{EMBED}.weight")
+    return {"vocab": table.shape[0], "hidden": table.shape[1], "param_bytes": nbytes,
+            "embedding_bytes": sum(nbytes.values()), "bf16_table_bytes": table.numel() * 2,
+            "dense_table_sha256": table_sha256(table)}

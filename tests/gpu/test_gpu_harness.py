@@ -1,0 +1,77 @@
+"""The CPU part of gpu_harness: a process group is ended whole (a grandchild that ignores SIGTERM
+included), and a job in a fresh process returns its result, its error or its time-out."""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+import time
+
+from gpu_harness import group_alive, run_llm, start_group, stop_group
+
+STUBBORN = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)']); print('up', flush=True); time.sleep(600)")
+
+
+def running(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_stop_group_ends_a_group_that_ignores_sigterm(tmp_path):
+    log = tmp_path / "stubborn.log"
+    p = start_group([sys.executable, "-c", STUBBORN], log)
+    end = time.time() + 30
+    while "up" not in log.read_text() and time.time() < end:
+        time.sleep(0.1)
+    members = [d for d in os.listdir("/proc") if d.isdigit() and running(int(d)) and os.getpgid(int(d)) == p.pid]
+    assert len(members) == 2 and group_alive(p.pid)
+    t0 = time.time()
+    stop_group(p.pid, grace=0.5)
+    assert not group_alive(p.pid), "a member of the group survived"
+    assert time.time() - t0 < 10
+    assert os.getpgid(os.getpid()) != p.pid  # the test's own group was not touched
+
+
+def answer(_llm) -> dict:
+    return {"pid": os.getpid(), "target_device": os.environ.get("VLLM_TARGET_DEVICE"), "leader": os.getpgid(0) == os.getpid()}
+
+
+def fail(_llm) -> dict:
+    raise RuntimeError("the job failed")
+
+
+def hang(_llm, pidfile: str) -> dict:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    with open(pidfile, "w") as f:
+        f.write(str(child.pid))
+    time.sleep(600)
+    return {}
+
+
+def test_a_job_runs_in_a_fresh_process_leading_its_group(tmp_path):
+    res = run_llm(None, answer, log=tmp_path / "answer.log", timeout=60)
+    assert not res["timed_out"] and "error" not in res, res
+    assert res["pid"] != os.getpid() and res["leader"]
+    assert res["target_device"] is None  # the CPU tests' VLLM_TARGET_DEVICE=cpu does not reach GPU children
+    assert not group_alive(res["pid"])
+
+
+def test_a_failing_job_reports_its_error(tmp_path):
+    res = run_llm(None, fail, log=tmp_path / "fail.log", timeout=60)
+    assert res["error"] == "RuntimeError: the job failed" and not res["timed_out"]
+    assert "Traceback" in (tmp_path / "fail.log").read_text()
+
+
+def test_a_hanging_job_is_timed_out_and_its_group_ended(tmp_path):
+    pidfile = tmp_path / "grandchild.pid"
+    t0 = time.time()
+    res = run_llm(None, functools.partial(hang, pidfile=str(pidfile)), log=tmp_path / "hang.log", timeout=8)
+    assert res["timed_out"] and res["error"] == "no result"
+    assert time.time() - t0 < 30
+    assert not running(int(pidfile.read_text())), "the job's own child outlived the time-out"

@@ -1,0 +1,279 @@
+"""The bad-input matrix: each wrong setting gives one clear error or warning, and nothing hangs.
+
+Checks that happen before any GPU is touched run here on real vLLM objects (CPU platform).
+Three cases run `vllm serve` end to end and check the process exits and leaves nothing behind.
+The planner's own errors (context or weights that cannot fit) are in tests/test_planner_*.py;
+the post-profiling fit check is in tests/integration/engine/test_context_fit.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from gpu_harness import group_alive, stop_group
+from vllm_dualgpu import envs
+from vllm_dualgpu.engine import planning as apply
+from vllm_dualgpu.engine import preflight
+from vllm_dualgpu.engine.executor import planning_applies
+from vllm_dualgpu.nvml import VisibleGpu, visible_physical_ids
+
+GiB = 1024**3
+
+
+@pytest.fixture(scope="module")
+def engine_args_cls():
+    import vllm.platforms
+    from vllm.platforms.cpu import CpuPlatform
+
+    vllm.platforms._current_platform = CpuPlatform()
+    import vllm_dualgpu
+
+    vllm_dualgpu.register()
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs
+
+
+@pytest.fixture
+def config_of(engine_args_cls, tiny_model_dir, monkeypatch):
+    """create_engine_config through the plugin, with NVML reporting `gpus` visible GPUs."""
+
+    def make(gpus: int | None = 2, **kw):
+        monkeypatch.setattr(preflight, "nvml_gpu_count", lambda: gpus)
+        args = dict(model=str(tiny_model_dir), load_format="dummy", skip_tokenizer_init=True,
+                    pipeline_parallel_size=2, distributed_executor_backend="dualgpu")
+        args.update(kw)
+        return engine_args_cls(**args).create_engine_config()
+
+    return make
+
+
+def gpu(pid, name="NVIDIA GeForce RTX 4070 Ti SUPER", total=16, free=15):
+    return VisibleGpu(pid, name, total * GiB, free * GiB, (8, 9), 672.0, f"GPU-{pid}")
+
+
+# --- front end (preflight), real EngineArgs -----------------------------------------------------
+
+
+def test_01_misspelled_backend(config_of):
+    with pytest.raises(ValueError, match="Unknown --distributed-executor-backend 'dualgpus'.*Did you mean 'dualgpu'"):
+        config_of(distributed_executor_backend="dualgpus")
+
+
+def test_02_pp_larger_than_gpu_count(config_of):
+    with pytest.raises(preflight.PreflightError, match="needs 3 GPUs, but 2 are visible"):
+        config_of(gpus=2, pipeline_parallel_size=3)
+
+
+def test_03_single_gpu(config_of):
+    with pytest.raises(preflight.PreflightError, match="needs 2 GPUs, but 1 is visible"):
+        config_of(gpus=1)
+
+
+def test_04_malformed_reserve(config_of, monkeypatch):
+    monkeypatch.setenv(envs.RESERVE, "1.5XB")
+    with pytest.raises(ValueError, match="VLLM_DUALGPU_RESERVE: cannot read '1.5XB'"):
+        config_of()
+
+
+def test_05_reserve_for_wrong_number_of_gpus(config_of, monkeypatch):
+    monkeypatch.setenv(envs.RESERVE, "0,1GiB,2GiB")
+    with pytest.raises(ValueError, match="names 3 reserves for 2 visible GPUs"):
+        config_of()
+
+
+def test_06_malformed_partition(config_of, monkeypatch):
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "1;3")
+    with pytest.raises(ValueError, match="not a comma-separated list"):
+        config_of()
+
+
+def test_07_partition_not_summing_to_layers(config_of, monkeypatch):
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "1,2")
+    with pytest.raises(ValueError, match="summing to the model's 4 layers"):
+        config_of()
+
+
+def test_08_partition_with_empty_stage(config_of, monkeypatch):
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "4,0")
+    with pytest.raises(ValueError, match="positive layer counts"):
+        config_of()
+
+
+def test_09_conflicting_kv_overrides_warn(config_of, caplog):
+    caplog.set_level(logging.WARNING, logger="vllm.dualgpu")
+    logging.getLogger("vllm.dualgpu").propagate = True
+    config_of(kv_cache_memory_bytes=GiB, num_gpu_blocks_override=100)
+    assert any("both set: vLLM sizes the pool from --num-gpu-blocks-override" in r.getMessage() for r in caplog.records)
+
+
+def test_10_kv_bytes_with_reserve_warns(config_of, monkeypatch, caplog):
+    caplog.set_level(logging.WARNING, logger="vllm.dualgpu")
+    logging.getLogger("vllm.dualgpu").propagate = True
+    monkeypatch.setenv(envs.RESERVE, "1GiB")
+    config_of(kv_cache_memory_bytes=GiB)
+    assert any("no longer shapes the KV pool" in r.getMessage() for r in caplog.records)
+
+
+def test_11_eagle3_drafter_on_a_model_that_cannot_relay(config_of, monkeypatch):
+    cfg = config_of()
+    cfg.model_config.hf_text_config.model_type = "qwen3_5"
+    cfg.speculative_config = SimpleNamespace(method="eagle3")
+    monkeypatch.setattr(preflight, "aux_relay_problem", lambda architectures=(): "patch x is not in the registry")
+    with pytest.raises(preflight.PreflightError, match="method 'eagle3' needs auxiliary hidden states.*'qwen3_5'"):
+        preflight.check(cfg, 2)
+
+
+def test_12_model_without_pp_support(engine_args_cls, write_config, monkeypatch):
+    monkeypatch.setattr(preflight, "nvml_gpu_count", lambda: 2)
+    d = write_config({"architectures": ["BertModel"], "model_type": "bert", "hidden_size": 64,
+                      "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 128,
+                      "vocab_size": 1000, "max_position_embeddings": 512}, "bert")
+    with pytest.raises(Exception, match="Pipeline parallelism is not supported for this model"):
+        engine_args_cls(model=str(d), load_format="dummy", skip_tokenizer_init=True,
+                        pipeline_parallel_size=2, distributed_executor_backend="dualgpu").create_engine_config()
+
+
+# --- executor (EngineCore), before workers spawn ---------------------------------------------------
+
+
+def test_13_pp1_behaves_like_stock():
+    pc = SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=1, data_parallel_size=1, nnodes=1)
+    assert planning_applies(pc) == "pipeline_parallel_size=1"
+
+
+def test_14_tensor_parallel_is_not_planned():
+    pc = SimpleNamespace(pipeline_parallel_size=2, tensor_parallel_size=2, data_parallel_size=1, nnodes=1)
+    assert "tensor_parallel_size=2" in planning_applies(pc)
+
+
+def test_15_three_gpus_for_pp2_warns_and_uses_two(caplog):
+    caplog.set_level(logging.WARNING, logger="vllm.dualgpu")
+    logging.getLogger("vllm.dualgpu").propagate = True
+    used = apply.choose_gpus([gpu(0), gpu(1), gpu(2)], 2)
+    assert [g.physical_id for g in used] == [0, 1]
+    assert any("3 GPUs visible" in r.getMessage() and "CUDA_VISIBLE_DEVICES" in r.getMessage() for r in caplog.records)
+
+
+def test_16_executor_gpu_count_check():
+    with pytest.raises(ValueError, match="needs 2 GPUs, but only 1 is visible"):
+        apply.choose_gpus([gpu(0)], 2)
+
+
+def test_17_uuid_in_cuda_visible_devices(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-1234,1")
+    with pytest.raises(ValueError, match="needs integer GPU indexes"):
+        visible_physical_ids(2)
+
+
+def test_18_cuda_visible_devices_out_of_range(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,5")
+    with pytest.raises(ValueError, match="names GPU 5, but NVML sees 2"):
+        visible_physical_ids(2)
+
+
+def test_19_no_nvml_is_a_clear_error(monkeypatch):
+    def broken():
+        raise OSError("libnvidia-ml.so.1: cannot open shared object file")
+
+    monkeypatch.setattr(apply, "read_visible_gpus", broken)
+    cfg = SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=2))
+    with pytest.raises(RuntimeError, match="cannot read the GPUs through NVML.*needs NVIDIA GPUs"):
+        apply.apply_plan(cfg)
+
+
+def test_20_unsupported_vllm_version_patches_nothing(monkeypatch, caplog):
+    from vllm_dualgpu import plugin
+
+    plugin._reset_for_tests()
+    caplog.set_level(logging.WARNING, logger="vllm.dualgpu")
+    logging.getLogger("vllm.dualgpu").propagate = True
+    monkeypatch.setattr(plugin, "installed_vllm_version", lambda: "0.31.0")
+    try:
+        assert plugin.register() == []
+    finally:
+        plugin._reset_for_tests()
+    assert any("found 0.31.0: no patches applied" in r.getMessage() for r in caplog.records)
+
+
+def test_21_worker_with_no_room_left():
+    from vllm_dualgpu.engine.worker import rank_budget
+
+    assert rank_budget(GiB, 2 * GiB, None) < 0
+    assert rank_budget(10 * GiB, GiB, 8 * GiB) == 8 * GiB
+    assert rank_budget(10 * GiB, GiB, None) == 9 * GiB
+
+
+# --- end to end: `vllm serve` exits with the message and leaves nothing running ------------------
+
+
+def serve(tiny_model_dir, extra_env=None, backend="dualgpu", timeout=180):
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(tiny_model_dir),
+           "--pipeline-parallel-size", "2", "--distributed-executor-backend", backend,
+           "--load-format", "dummy", "--skip-tokenizer-init", "--port", "18123"]
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", **(extra_env or {})}
+    start = time.time()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env=env, start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    finally:
+        leftover = _group_alive(p.pid)
+        if leftover:
+            stop_group(p.pid, grace=0)
+    return p.returncode, out, time.time() - start, leftover
+
+
+def _group_alive(pgid: int, wait: float = 15.0) -> bool:
+    """Whether any non-zombie process of the group still runs after `wait` seconds."""
+    end = time.time() + wait
+    while group_alive(pgid) and time.time() < end:
+        time.sleep(0.5)
+    return group_alive(pgid)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case,env,backend,message", [
+    ("typo", {}, "dualgpus", "Did you mean 'dualgpu'"),
+    ("reserve", {envs.RESERVE: "lots"}, "dualgpu", "VLLM_DUALGPU_RESERVE: cannot read 'lots'"),
+    ("no-gpu", {}, "dualgpu", "the dualgpu executor needs NVIDIA GPUs"),
+])
+def test_22_serve_exits_cleanly(tiny_model_dir, case, env, backend, message):
+    rc, out, took, leftover = serve(tiny_model_dir, env, backend)
+    assert rc != 0, out[-2000:]
+    assert message in out, out[-3000:]
+    assert not leftover, f"processes of the {case} run were still alive after it exited"
+
+
+def test_23_out_of_memory_in_warm_up_exits_with_advice(monkeypatch, caplog):
+    """A rank that runs out of memory after KV sizing must end, not leave its peer waiting."""
+    import torch
+
+    from vllm_dualgpu.engine import handoff
+    from vllm_dualgpu.engine import worker as w
+
+    caplog.set_level(logging.ERROR, logger="vllm.dualgpu")
+    logging.getLogger("vllm.dualgpu").propagate = True
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (441 * 1024**2, 140 * GiB))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "NVIDIA H200")
+
+    def fake_exit(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(w.os, "_exit", fake_exit)
+    worker = object.__new__(w.DualGpuWorker)
+    worker.rank, worker.device = 1, "cuda:1"
+    worker._dualgpu_rank = handoff.RankRecord(1, 0, "NVIDIA H200", 256 * 1024**2, None, 29, None)
+    with pytest.raises(SystemExit) as done:
+        worker._exit_on_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 544.00 MiB"))
+    assert done.value.code == 1
+    msg = caplog.records[-1].getMessage()
+    assert "rank 1 (NVIDIA H200) ran out of memory during warm-up" in msg
+    assert "Tried to allocate 544.00 MiB" in msg and "VLLM_DUALGPU_RESERVE (e.g. 1.25 GiB)" in msg
