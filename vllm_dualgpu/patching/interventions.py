@@ -120,9 +120,26 @@ def check_all(vllm_version: str, kinds: frozenset[str] | None = None,
     return [check_intervention(i, vllm_version) for i in items]
 
 
+def doctor_lines(vllm_version: str) -> tuple[list[str], list[Finding]]:
+    """``vllm-dualgpu doctor``'s section: one line per intervention, and the findings."""
+    findings = []
+    for item in INTERVENTIONS:
+        try:
+            findings.append(check_intervention(item, vllm_version))
+        except Exception as exc:  # a module that fails to import in an unexpected way
+            findings.append(Finding(item, MISSING, f"check failed: {type(exc).__name__}: {exc}"))
+    lines = [f"Other interventions for vLLM {vllm_version} (checked at a dualgpu run's start):"]
+    width = max((len(i.name) for i in INTERVENTIONS), default=0)
+    for f in findings:
+        item = f.intervention
+        text = f"  {f.status:<8} {item.name:<{width}}  [{item.kind}; {','.join(item.processes)}]"
+        lines.append(text + (f"  {' '.join(f.reason.split())}" if f.reason else ""))
+    return lines, findings
+
+
 def probe_native_symbol(item: Intervention) -> tuple[str, str]:
-    """``target`` is ``package.library:symbol``: vLLM ships the library and it names the symbol
-    (read from the file, without loading it; the hook itself refuses when no PLT slot exists)."""
+    """vLLM ships the library named before the target's colon, and the file names the symbol
+    after it (read from the file, not loaded; the hook itself refuses when no PLT slot exists)."""
     library, symbol = item.target.split(":", 1)
     try:
         spec = importlib.util.find_spec(library)
@@ -146,8 +163,9 @@ def _package_dir(name: str) -> str | None:
 
 
 def probe_cute_dsl_arch(item: Intervention) -> tuple[str, str]:
-    """The CuTe DSL reads ``{prefix}_ARCH`` and detects device 0 without it. Read from its source
-    file: importing ``cutlass`` here would read the variable before the worker sets it."""
+    """The CuTe DSL's base_dsl/env_manager.py reads `{prefix}_ARCH` and has detect_gpu_arch
+    (device 0) for when it is unset. Read from the file: importing `cutlass` would read the
+    variable before the worker sets it. Not here when the CuTe DSL is not installed."""
     root = _package_dir("cutlass")  # a top-level name: found, not imported
     if root is None:  # not on the path yet: where nvidia-cutlass-dsl's .pth file puts it
         dsl = _package_dir("nvidia_cutlass_dsl")
@@ -263,12 +281,13 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         name="flashinfer-autotune-off",
         kind=CONFIG,
         target="vllm.config.kernel:KernelConfig.enable_flashinfer_autotune",
-        processes=(ENGINE,),
+        processes=(WORKER,),
         vllm_versions=CHECKED,
         why=(
             "With more than one pipeline stage (or mixed capabilities) the executor turns "
             "FlashInfer autotune off: vLLM averages its timings over the world group while each "
-            "stage tunes different ops, and the boot hangs (kernels/flashinfer.py)."
+            "stage tunes different ops, and the boot hangs (kernels/flashinfer.py). Set before the "
+            "workers spawn, read (and checked) in each worker's kernel warm-up."
         ),
         upstream="vLLM issue #52291; vLLM PR #57198 (not merged) tunes per stage group",
         remove_when="vLLM autotunes per pipeline stage (PR #57198 or equivalent)",
@@ -298,12 +317,12 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         name="worker-class",
         kind=WORKER_CLASS,
         target="vllm.config.parallel:ParallelConfig.worker_cls",
-        processes=(ENGINE,),
+        processes=(WORKER,),
         vllm_versions=CHECKED,
         why=(
             "The executor replaces vLLM's GPU worker (vllm.v1.worker.gpu_worker.Worker) with "
             "DualGpuWorker, a subclass that gives each rank its own memory budget and logs one "
-            "summary line; any other worker_cls is left alone."
+            "summary line; any other worker_cls is left alone. Checked where the class is built."
         ),
         upstream=_NO_HOOK,
         remove_when="vLLM takes a per-rank memory budget",
@@ -365,7 +384,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
             name=f"model-memory-usage{suffix}",
             kind=PRIVATE_API,
             target=f"{module}:GPUModelRunner.model_memory_usage",
-            processes=(WORKER,),
+            processes=(DEVICE,),
             vllm_versions=CHECKED,
             why=f"The rank summary line reports the weights' size the {runner} runner measured.",
             upstream=_NO_HOOK,
@@ -383,7 +402,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         name="pp-handler-broadcast-group",
         kind=PRIVATE_API,
         target="vllm.v1.worker.gpu.pp_utils:PPHandler.broadcast_group",
-        processes=(WORKER,),
+        processes=(DEVICE,),
         vllm_versions=CHECKED,
         why=(
             "Before profiling, DualGpuWorker makes NCCL allocate the v2 runner's sampled-token "
@@ -437,7 +456,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
             "_find_non_ssm_backends."
         ),
         upstream=_NO_HOOK,
-        remove_when="the hybrid-block-size patch goes",
+        remove_when="the hybrid-block-size-every-stage patch goes",
         params=("cls", "vllm_config"),
         issue="#6",
     ),
@@ -452,7 +471,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
             "(patches/linear_kernels.py)."
         ),
         upstream=_NO_HOOK,
-        remove_when="the sm89-block-fp8-triton patch goes",
+        remove_when="the sm89-triton-fp8 patch goes",
         issue="#5",
     ),
     Intervention(
@@ -485,7 +504,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         vllm_versions=CHECKED,
         why="The vision-tower patch (patches/models_interfaces.py) sets the names vLLM reads here.",
         upstream=_NO_HOOK,
-        remove_when="the vision-tower-on-first-stage patch goes",
+        remove_when="the vision-tower-first-rank-only patch goes",
         issue="#6",
     ),
     Intervention(
@@ -500,7 +519,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
             "_build_context_kv_buffers, the method that patch replaces."
         ),
         upstream=_NO_HOOK,
-        remove_when="the DFlash context-KV patches go",
+        remove_when="the dflash-quantized-context-kv-* patches go",
         checks="vllm.model_executor.models.qwen3_dflash:DFlashQwen3Model._build_fused_kv_buffers",
         source_names=("self._rms_norm_eps",),
         issue="#6",
@@ -509,11 +528,11 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         name="custom-ops-rms-norm",
         kind=PRIVATE_API,
         target="vllm._custom_ops:rms_norm",
-        processes=(WORKER,),
+        processes=(DEVICE,),
         vllm_versions=CHECKED,
         why="The quantized DFlash context-KV patch normalises with vLLM's fused op.",
         upstream=_NO_HOOK,
-        remove_when="the DFlash context-KV patches go",
+        remove_when="the dflash-quantized-context-kv-* patches go",
         params=("out", "input", "weight", "epsilon"),
         issue="#6",
     ),
