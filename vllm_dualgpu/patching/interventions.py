@@ -512,16 +512,16 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         kind=PRIVATE_API,
         target="vllm.model_executor.models.qwen3_dflash:DFlashQwen3Model._rms_norm_eps",
         processes=(WORKER,),
-        vllm_versions=V030,
+        vllm_versions=CHECKED,
         why=(
             "The quantized DFlash context-KV patch (patches/qwen3_dflash.py) reads the epsilon "
-            "vLLM 0.30 sets in _build_fused_kv_buffers. vLLM 0.33 sets it in "
-            "_build_context_kv_buffers, the method that patch replaces."
+            "vLLM sets in _build_fused_kv_buffers, around the _build_context_kv_buffers call "
+            "that patch replaces."
         ),
         upstream=_NO_HOOK,
         remove_when="the dflash-quantized-context-kv-* patches go",
         checks="vllm.model_executor.models.qwen3_dflash:DFlashQwen3Model._build_fused_kv_buffers",
-        source_names=("self._rms_norm_eps",),
+        source_names=("self._rms_norm_eps =", "self._build_context_kv_buffers("),
         issue="#6",
     ),
     Intervention(
