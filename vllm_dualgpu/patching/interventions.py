@@ -83,9 +83,19 @@ class Finding:
 
 
 def check_intervention(item: Intervention, vllm_version: str) -> Finding:
-    """Whether ``item``'s assumption holds for the installed vLLM; changes nothing."""
+    """Whether ``item``'s assumption holds for the installed vLLM; changes nothing.
+
+    A release outside ``vllm_versions`` is MISSING whatever the check finds; the reason adds
+    what it found (what to port, or that the range can widen)."""
+    found = _check_target(item)
     if not version_in_range(vllm_version, item.vllm_versions):
-        return Finding(item, MISSING, f"checked for vLLM {item.vllm_versions}, not {vllm_version}")
+        seen = found.reason if found.status != HOLDS else "its check passes, so the range may widen"
+        return Finding(item, MISSING, f"checked for vLLM {item.vllm_versions}, not {vllm_version} "
+                                      f"({seen})")
+    return found
+
+
+def _check_target(item: Intervention) -> Finding:
     if item.probe:
         module, fn = item.probe.split(":", 1)
         status, reason = getattr(importlib.import_module(module), fn)(item)
@@ -121,16 +131,25 @@ def check_all(vllm_version: str, kinds: frozenset[str] | None = None,
 
 
 def doctor_lines(vllm_version: str) -> tuple[list[str], list[Finding]]:
-    """``vllm-dualgpu doctor``'s section: one line per intervention, and the findings."""
+    """``vllm-dualgpu doctor``'s section and every finding: one line counting, per kind, the
+    interventions that hold, then one line for each that does not (with its reason)."""
     findings = []
     for item in INTERVENTIONS:
         try:
             findings.append(check_intervention(item, vllm_version))
         except Exception as exc:  # a module that fails to import in an unexpected way
             findings.append(Finding(item, MISSING, f"check failed: {type(exc).__name__}: {exc}"))
-    lines = [f"Other interventions for vLLM {vllm_version} (checked at a dualgpu run's start):"]
-    width = max((len(i.name) for i in INTERVENTIONS), default=0)
+    holding = [f.intervention.kind for f in findings if f.status == HOLDS]
+    counts = ", ".join(f"{kind} {holding.count(kind)}" for kind in KINDS if kind in holding)
+    lines = [
+        f"Other interventions for vLLM {vllm_version} (checked at a dualgpu run's start; "
+        "docs/patches.md lists them):",
+        f"  holds    {len(holding)} of {len(findings)}" + (f" ({counts})" if counts else ""),
+    ]
+    width = max((len(f.intervention.name) for f in findings if f.status != HOLDS), default=0)
     for f in findings:
+        if f.status == HOLDS:
+            continue
         item = f.intervention
         text = f"  {f.status:<8} {item.name:<{width}}  [{item.kind}; {','.join(item.processes)}]"
         lines.append(text + (f"  {' '.join(f.reason.split())}" if f.reason else ""))

@@ -33,7 +33,7 @@ def test_intervention_holds_for_the_installed_vllm(item):
         assert found.status == HOLDS, found.reason
     else:
         assert found.status == MISSING
-        assert found.reason == f"checked for vLLM {item.vllm_versions}, not {VERSION}"
+        assert found.reason.startswith(f"checked for vLLM {item.vllm_versions}, not {VERSION} (")
         as_if_in_range = check_intervention(replace(item, vllm_versions=f"=={VERSION}"), VERSION)
         assert as_if_in_range.status == MISSING, (
             f"{item.name} holds for vLLM {VERSION}: widen its range"
@@ -57,16 +57,19 @@ def test_a_wrong_target_on_a_real_vllm_class_is_reported():
     )
 
 
-def test_doctor_lists_every_intervention(monkeypatch):
+def test_doctor_counts_what_holds_and_lists_what_does_not(monkeypatch):
     from vllm_dualgpu.cli import doctor
 
     monkeypatch.setattr(doctor, "gpu_lines", lambda: (["GPUs: none visible (test)"], []))
+    findings = [check_intervention(i, VERSION) for i in INTERVENTIONS]
+    holding = [f for f in findings if f.status == HOLDS]
     lines, _ = doctor.report()
-    start = lines.index(f"Other interventions for vLLM {VERSION} (checked at a dualgpu run's start):")
-    listed = lines[start + 1:start + 1 + len(INTERVENTIONS)]
-    for line, item in zip(listed, INTERVENTIONS):
-        assert f" {item.name} " in line
-        assert f"[{item.kind}; {','.join(item.processes)}]" in line
+    start = next(n for n, line in enumerate(lines) if line.startswith("Other interventions for vLLM"))
+    assert lines[start + 1].startswith(f"  holds    {len(holding)} of {len(INTERVENTIONS)}")
+    others = lines[start + 2:start + 2 + len(findings) - len(holding)]
+    for line, f in zip(others, [f for f in findings if f.status != HOLDS]):
+        assert line.split()[0] == f.status.split()[0] and f" {f.intervention.name} " in line
+        assert " ".join(f.reason.split()) in line
 
 
 def test_doctor_fails_with_gpus_when_an_intervention_does_not_hold(monkeypatch):
@@ -84,8 +87,9 @@ def test_doctor_fails_with_gpus_when_an_intervention_does_not_hold(monkeypatch):
     good = replace(INTERVENTIONS[0], vllm_versions=f"=={VERSION}", probe="",
                    target="vllm.v1.worker.gpu_worker:Worker")
     monkeypatch.setattr(iv, "INTERVENTIONS", (good,))
-    assert doctor.report()[1] == 0
+    lines, status = doctor.report()
+    assert status == 0 and f"  holds    1 of 1 ({good.kind} 1)" in lines
     monkeypatch.setattr(iv, "INTERVENTIONS", (good, replace(good, name="bad", target=good.target + "X")))
     lines, status = doctor.report()
     assert status == 1
-    assert any(line.split()[:2] == ["missing", "bad"] for line in lines)
+    assert any(line.split()[:2] == ["missing", "bad"] and "WorkerX" in line for line in lines)

@@ -123,7 +123,11 @@ def test_checks_resolves_another_object_than_the_target():
 def test_a_release_outside_the_range_is_not_taken_on_trust():
     found = check_intervention(_item(vllm_versions=">=0.30.0,<0.31"), "0.33.0")
     assert found.status == MISSING
-    assert found.reason == "checked for vLLM >=0.30.0,<0.31, not 0.33.0"
+    assert found.reason == (
+        "checked for vLLM >=0.30.0,<0.31, not 0.33.0 (its check passes, so the range may widen)"
+    )
+    gone = check_intervention(_item(vllm_versions=">=0.30.0,<0.31", target="json:gone"), "0.33.0")
+    assert gone.reason.startswith("checked for vLLM >=0.30.0,<0.31, not 0.33.0 (target json:gone not found")
 
 
 def test_check_all_selects_by_process():
