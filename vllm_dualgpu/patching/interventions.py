@@ -462,6 +462,35 @@ INTERVENTIONS: tuple[Intervention, ...] = (
              "The KV grouping patch (kv-groups-without-padding) prices a grouping with it."),
         )
     ),
+    # --- vLLM config attributes read through getattr (with a default that hides a rename) ---
+    Intervention(
+        name="user-specified-block-size",
+        kind=PRIVATE_API,
+        target="vllm.config.cache:CacheConfig.user_specified_block_size",
+        processes=(ENGINE,),
+        vllm_versions=CHECKED,
+        why=(
+            "The plan takes --block-size as the user's only when vLLM says the user set it "
+            "(engine/planning.py), and the drafter-page patch words its advice by it."
+        ),
+        upstream=_NO_HOOK,
+        remove_when="never (vLLM's own field; the check pins its name)",
+        issue="#3",
+    ),
+    Intervention(
+        name="is-mm-prefix-lm",
+        kind=PRIVATE_API,
+        target="vllm.config.model:ModelConfig.is_mm_prefix_lm",
+        processes=(WORKER,),
+        vllm_versions=CHECKED,
+        why=(
+            "The hybrid block-size patch selects the model's attention backend with the "
+            "arguments Attention passes, this one among them (patches/platforms_interface.py)."
+        ),
+        upstream=_NO_HOOK,
+        remove_when="the hybrid-block-size-every-stage patch goes",
+        issue="#6",
+    ),
     # --- private vLLM names the patch bodies use ---
     Intervention(
         name="find-non-ssm-backend",
