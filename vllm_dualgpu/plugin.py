@@ -72,6 +72,58 @@ def ensure(kinds: frozenset[str]) -> list[Outcome]:
         return _state["outcomes"]
 
 
+class StartupRefused(RuntimeError):
+    """A dualgpu run cannot start in this process: the message says why and what to do."""
+
+
+def ensure_for_dualgpu(kinds: frozenset[str]) -> list[Outcome]:
+    """:func:`ensure` for a process of a dualgpu run, which must not go on half-patched.
+
+    A required patch (``optional=False``) that was skipped, or an intervention of ``kinds``
+    whose vLLM target is missing or different (:mod:`vllm_dualgpu.patching.interventions`),
+    makes it log one ERROR line and raise :class:`StartupRefused` with the same line. Outside
+    a dualgpu run :func:`ensure` only warns: other executors run as stock vLLM.
+    """
+    outcomes = ensure(kinds)
+    problems = startup_problems(kinds, outcomes)
+    if problems:
+        message = refusal_message(process_label(frozenset(kinds)), problems)
+        logger.error("%s", message)
+        raise StartupRefused(message)
+    return outcomes
+
+
+def startup_problems(kinds: frozenset[str], outcomes: list[Outcome]) -> list[str]:
+    """What keeps a dualgpu run from starting here: required patches that did not apply, and
+    interventions of ``kinds`` that do not hold for the installed vLLM."""
+    from vllm_dualgpu.patching.interventions import MISSING, check_all
+
+    version = installed_vllm_version()
+    if not version_in_range(version, SUPPORTED_VLLM):
+        return [f"vllm-dualgpu {__version__} supports vLLM {SUPPORTED_VLLM}, found {version}"]
+    problems = [
+        f"required patch {o.short()} was skipped"
+        for o in outcomes
+        if o.status not in (APPLIED, ALREADY) and not o.patch.optional
+    ]
+    problems += [
+        f"{f.intervention.kind} {f.short()} does not hold"
+        for f in check_all(version, frozenset(kinds))
+        if f.status == MISSING
+    ]
+    return problems
+
+
+def refusal_message(where: str, problems: list[str]) -> str:
+    version = installed_vllm_version()
+    return (
+        f"vllm-dualgpu: the dualgpu run cannot start ({where}, vLLM {version}): "
+        f"{'; '.join(problems)}. The installed vLLM differs from the one this package was "
+        f"written for: install a vLLM release in {SUPPORTED_VLLM} that `vllm-dualgpu doctor` "
+        "passes, or run stock vLLM with --distributed-executor-backend mp."
+    )
+
+
 def _note_device_phase(outcomes: list[Outcome]) -> None:
     """The device phase goes into the rank's summary line (one INFO line per process already
     came from register()); a skipped patch still gets its WARNING."""

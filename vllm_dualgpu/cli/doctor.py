@@ -174,6 +174,13 @@ def report() -> tuple[list[str], int]:
             lines.append(
                 "  (without a CUDA driver, patches of vllm.platforms.cuda cannot be checked here)"
             )
+    if version is not None:
+        from vllm_dualgpu.patching.interventions import MISSING, doctor_lines
+
+        more, findings = doctor_lines(version)
+        lines += more
+        if gpus and supported:
+            problems += sum(1 for f in findings if f.status == MISSING)
     lines += config_lines(gpus)
     return lines, (1 if problems else 0)
 

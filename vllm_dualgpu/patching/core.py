@@ -77,8 +77,14 @@ class Outcome:
 
 
 def _resolve_owner(patch: Patch) -> tuple[object, str]:
-    module = importlib.import_module(patch.module)
-    *path, attr = patch.qualname.split(".")
+    return resolve_target(patch.target)
+
+
+def resolve_target(target: str) -> tuple[object, str]:
+    """The object holding ``module:Qualified.name``'s last part, and that part's name."""
+    module_name, qualname = target.split(":", 1)
+    module = importlib.import_module(module_name)
+    *path, attr = qualname.split(".")
     owner: object = module
     for part in path:
         owner = getattr(owner, part)
@@ -116,6 +122,26 @@ def _param_names(func: Callable) -> tuple[str, ...]:
     return tuple(inspect.signature(func).parameters)
 
 
+def find_target(target: str) -> tuple[object, str, object] | str:
+    """``(owner, attr, attribute as stored)`` of ``module:Qualified.name``, or why not found."""
+    try:
+        owner, attr = resolve_target(target)
+        return owner, attr, _raw_attr(owner, attr)
+    except (ImportError, AttributeError) as exc:
+        return f"target {target} not found: {exc}"
+
+
+def params_mismatch(target: str, func: Callable, expected: tuple[str, ...]) -> str:
+    """Empty when ``func`` takes exactly ``expected`` (in order), else what it takes instead."""
+    try:
+        found = _param_names(func)
+    except (TypeError, ValueError) as exc:
+        return f"cannot read the signature of {target}: {exc}"
+    if found != tuple(expected):
+        return f"{target} takes ({', '.join(found)}), expected ({', '.join(expected)})"
+    return ""
+
+
 def _load_factory(spec: str) -> Callable[[Callable], Callable]:
     mod, fn = spec.split(":", 1)
     return getattr(importlib.import_module(mod), fn)
@@ -144,26 +170,18 @@ def _check(patch: Patch, vllm_version: str) -> Outcome | _Checked:
     """The checks of apply_patch, changing nothing: an Outcome when it must not apply."""
     if not version_in_range(vllm_version, patch.vllm_versions):
         return Outcome(patch, SKIPPED, f"vLLM {vllm_version} not in {patch.vllm_versions}")
-    try:
-        owner, attr = _resolve_owner(patch)
-        raw = _raw_attr(owner, attr)
-    except (ImportError, AttributeError) as exc:
-        return Outcome(patch, SKIPPED, f"target {patch.target} not found: {exc}")
+    found = find_target(patch.target)
+    if isinstance(found, str):
+        return Outcome(patch, SKIPPED, found)
+    owner, attr, raw = found
     original = _function_of(raw)
     if original is None:
         return Outcome(patch, SKIPPED, f"{patch.target} is a property without a getter")
     if getattr(original, SENTINEL, None) == patch.name:
         return Outcome(patch, ALREADY)
-    try:
-        found = _param_names(original)
-    except (TypeError, ValueError) as exc:
-        return Outcome(patch, SKIPPED, f"cannot read the signature of {patch.target}: {exc}")
-    if found != patch.params:
-        return Outcome(
-            patch,
-            SKIPPED,
-            f"{patch.target} takes ({', '.join(found)}), expected ({', '.join(patch.params)})",
-        )
+    wrong = params_mismatch(patch.target, original, patch.params)
+    if wrong:
+        return Outcome(patch, SKIPPED, wrong)
     if patch.source_sha256:
         from vllm_dualgpu.patching.source_check import function_digest, source_mismatch
 

@@ -1,18 +1,20 @@
-"""Renders docs/patches.md from the registry.
+"""Renders docs/patches.md from the registry and the declared interventions.
 
 Run from the repository root: ``python -m vllm_dualgpu.patching.docs [--check] [PATH]``.
 """
 
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
 
+from vllm_dualgpu.patching.interventions import INTERVENTIONS
 from vllm_dualgpu.patching.registry import PATCHES
 
 HEADER = """# Run-time patches
 
-Generated from `vllm_dualgpu/patching/registry.py` by `python -m vllm_dualgpu.patching.docs`;
+Generated from `vllm_dualgpu/patching/registry.py` and `vllm_dualgpu/patching/interventions.py` by `python -m vllm_dualgpu.patching.docs`;
 do not edit by hand (a test fails when this file is stale).
 
 Every patch is applied from one place (`vllm_dualgpu.plugin.register`), only in the processes it
@@ -26,6 +28,53 @@ GPU worker, when vLLM loads plugins there) and `device` (a dualgpu worker once i
 is set, for targets whose module starts CUDA when imported; listed in the rank's summary line).
 
 """
+
+
+INTERVENTIONS_HEADER = """
+# Other interventions
+
+What the package changes or relies on in vLLM without replacing an attribute: a native hook,
+environment variables and config fields it sets, the worker class it swaps in, and private vLLM
+functions and attributes it calls or reads. Each names the vLLM object its check resolves (with
+the patches' own resolution and parameter check); an instance attribute, which exists only on a
+live object, is checked in the source of the vLLM method that sets or reads it. A dualgpu run
+checks the entries of each process at start and stops, saying why, when one does not hold (so
+does a required patch that was skipped); `vllm-dualgpu doctor` lists them. Kinds:
+`native-hook`, `environment`, `config`, `worker-class`, `private-api`; the process `cli` is the
+package's own commands (checked by `doctor` only).
+
+"""
+
+
+def check_text(item) -> str:
+    """What an intervention's check requires, in words."""
+    if item.probe:
+        module, fn = item.probe.split(":", 1)
+        doc = " ".join((getattr(importlib.import_module(module), fn).__doc__ or "").split())
+        return f"`{fn}`: {doc}"
+    text = f"`{item.check_target}` exists"
+    if item.params is not None:
+        text += f" and takes `({', '.join(item.params)})`"
+    if item.source_names:
+        text += f"; its source uses {', '.join(f'`{n}`' for n in item.source_names)}"
+    return text
+
+
+def render_interventions() -> str:
+    out = [INTERVENTIONS_HEADER, f"{len(INTERVENTIONS)} intervention(s).\n"]
+    for i in INTERVENTIONS:
+        out.append(f"\n## `{i.name}`\n\n")
+        out.append(f"- **Kind:** {i.kind}\n")
+        out.append(f"- **Target:** `{i.target}`\n")
+        out.append(f"- **Check:** {check_text(i)}\n")
+        out.append(f"- **Processes:** {', '.join(i.processes)}\n")
+        out.append(f"- **vLLM versions:** `{i.vllm_versions}`\n")
+        out.append(f"- **Why:** {i.why}\n")
+        out.append(f"- **Upstream:** {i.upstream}\n")
+        out.append(f"- **Remove when:** {i.remove_when}\n")
+        if i.issue:
+            out.append(f"- **Project issue:** {i.issue}\n")
+    return "".join(out)
 
 
 def render() -> str:
@@ -48,6 +97,7 @@ def render() -> str:
         out.append(f"- **Remove when:** {p.remove_when}\n")
         if p.issue:
             out.append(f"- **Project issue:** {p.issue}\n")
+    out.append(render_interventions())
     return "".join(out)
 
 
