@@ -76,6 +76,8 @@ class DualGpuExecutor(MultiprocExecutor):
             from vllm_dualgpu.engine.planning import apply_plan
             from vllm_dualgpu.kernels.flashinfer import apply_flashinfer_autotune_policy
 
+            # A dualgpu run does not start half-patched (required patches, interventions).
+            plugin.ensure_for_dualgpu(frozenset({ENGINE}))
             self.dualgpu = apply_plan(self.vllm_config)
             apply_flashinfer_autotune_policy(
                 self.vllm_config.kernel_config, [g.capability for g in self.dualgpu.gpus]

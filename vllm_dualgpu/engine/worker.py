@@ -70,7 +70,7 @@ class DualGpuWorker(Worker):
     def __init__(self, *args, **kwargs):
         # Forked workers (vLLM's default outside `vllm serve`) skip general plugins: apply the
         # worker patches here, before the device and the model exist (no-op if already done).
-        plugin.ensure(frozenset({WORKER}))
+        plugin.ensure_for_dualgpu(frozenset({WORKER}))
         super().__init__(*args, **kwargs)
 
     def init_device(self):
@@ -79,7 +79,7 @@ class DualGpuWorker(Worker):
         self.cache_config.gpu_memory_utilization = 1e-6
         super().init_device()
         # Patches whose vLLM module starts CUDA when imported, now that this rank's GPU is set.
-        plugin.ensure(frozenset({DEVICE}))
+        plugin.ensure_for_dualgpu(frozenset({DEVICE}))
         snap = self.init_snapshot
         plan = handoff.load(self.vllm_config)
         self._dualgpu_plan = plan

@@ -117,3 +117,24 @@ def test_an_unsupported_vllm_stops_a_dualgpu_run(monkeypatch):
     monkeypatch.setattr(plugin, "installed_vllm_version", lambda: "0.29.0")
     with pytest.raises(plugin.StartupRefused, match=r"supports vLLM .*, found 0\.29\.0"):
         plugin.ensure_for_dualgpu(frozenset({ENGINE}))
+
+
+def test_the_executor_stops_before_planning_on_a_skipped_required_patch(monkeypatch):
+    """The refusal is reached from the dualgpu executor itself, before any GPU is planned."""
+    from types import SimpleNamespace
+
+    import vllm.platforms
+
+    from vllm_dualgpu.engine import executor, planning
+
+    monkeypatch.setattr(registry, "PATCHES", (WRONG,))
+    monkeypatch.setattr(vllm.platforms, "_current_platform", SimpleNamespace(is_cuda=lambda: True))
+    planned = []
+    monkeypatch.setattr(planning, "apply_plan", lambda cfg: planned.append(cfg))
+    ex = object.__new__(executor.DualGpuExecutor)
+    ex.parallel_config = SimpleNamespace(pipeline_parallel_size=2, tensor_parallel_size=1,
+                                         data_parallel_size=1, nnodes=1)
+    ex.vllm_config = SimpleNamespace()
+    with pytest.raises(plugin.StartupRefused, match="required patch test-wrong-params"):
+        ex._init_executor()
+    assert planned == []
