@@ -67,3 +67,8 @@ def rank_values(env: str, rank: int) -> int | None:
         return None
     values = [int(v) for v in text.split(",")]
     return values[rank] if rank < len(values) else None
+
+# --- tool-call parser fixes (issue #16; patches/tool_parsers_qwen3_xml.py) ---
+# 0 (or false/no/off) leaves vLLM's tool parsers as shipped: the registry entries that name it in
+# Patch.opt_out are not applied (they fix vLLM's front end for every executor, not only dualgpu).
+TOOL_PARSER_FIXES = "VLLM_DUALGPU_TOOL_PARSER_FIXES"
