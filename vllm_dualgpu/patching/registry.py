@@ -481,7 +481,7 @@ PATCHES: tuple[Patch, ...] = (
             "Streaming sends a string argument as it grows and leaves its closing quote to this "
             "flush at the end of the call, which re-converts the arguments with partial=False: "
             "a parameter still open (max_tokens or a stop string mid-value, or a model that "
-            "never wrote </parameter>) is dropped, the result no longer extends what was sent, "
+            "never wrote `</parameter>`) is dropped, the result no longer extends what was sent, "
             "and the flush sends nothing, so the client's arguments stay unterminated JSON "
             "('{\"path\": \"README.md\", \"content\": \"# Title...'). When vLLM's flush "
             "sends nothing and the streamed text is not valid JSON, the wrapper sends the rest "
@@ -508,19 +508,19 @@ PATCHES: tuple[Patch, ...] = (
         vllm_versions=">=0.30.0,<0.34",
         why=(
             "The Qwen3 XML converter (qwen3_xml, qwen3_coder and every config built by "
-            "qwen3_config) ends a value at </parameter> or at the next <parameter=, so a value "
-            "that contains '<parameter=x>' text (a file or prompt about this format) is split "
+            "qwen3_config) ends a value at `</parameter>` or at the next `<parameter=`, so a value "
+            "that contains `<parameter=x>` text (a file or prompt about this format) is split "
             "and the rest becomes a phantom argument x. The replacement ends a value only at a "
-            "</parameter> followed by the next <parameter=, </function>, </tool_call> or the end "
-            "of the arguments (while streaming, by the start of one of those too), and converts "
-            "as vLLM does otherwise. A model that omits </parameter> before the next "
-            "<parameter= gets the rest in that value instead of a guessed new parameter. "
+            "`</parameter>` followed by the next `<parameter=`, `</function>`, `</tool_call>` or "
+            "the end of the arguments (while streaming, by the start of one of those too), and converts "
+            "as vLLM does otherwise. A model that omits `</parameter>` before the next "
+            "`<parameter=` gets the rest in that value instead of a guessed new parameter. "
             "qwen3_config (cached) looks the converter up when it builds a config; the factory "
             "clears its cache. Pinned to vLLM's source."
         ),
         upstream="none found in vLLM (sglang issue #39836 reports the same split in its Qwen3 "
         "coder detector)",
-        remove_when="the supported vLLM keeps <parameter=...> text inside a Qwen3 XML argument "
+        remove_when="the supported vLLM keeps `<parameter=...>` text inside a Qwen3 XML argument "
         "value",
         factory="vllm_dualgpu.patches.tool_parsers_qwen3_xml:wrap_qwen3_arg_converter",
         params=("raw_args", "partial"),

@@ -20,8 +20,9 @@ from vllm_dualgpu.patching.core import version_in_range
 NAME = "qwen3-xml-param-text-in-value-streamed"
 CONVERTER = "qwen3-xml-param-text-in-value"
 
-pytestmark = pytest.mark.skipif(
-    not version_in_range(vllm.__version__, ">=0.33.0,<0.34"),
+HAS_FAST_PATH = version_in_range(vllm.__version__, ">=0.33.0,<0.34")
+needs_fast_path = pytest.mark.skipif(
+    not HAS_FAST_PATH,
     reason=f"vLLM {vllm.__version__} has no streaming fast path (_qwen3_arg_value_extender)",
 )
 
@@ -43,6 +44,7 @@ TEXTS = {
 }
 
 
+@needs_fast_path
 @pytest.mark.parametrize("case", TEXTS)
 @pytest.mark.parametrize("chunk", (1, 2, 3, 5, 8, 13, 10_000))
 def test_streamed_arguments_match_the_converted_ones(tokenizer, request_with_tools, case, chunk):
@@ -52,6 +54,7 @@ def test_streamed_arguments_match_the_converted_ones(tokenizer, request_with_too
         assert streamed(tokenizer, request_with_tools, text, chunk) == want
 
 
+@needs_fast_path
 @pytest.mark.parametrize("case", TEXTS)
 def test_without_the_patch_the_fast_path_loses_text(tokenizer, request_with_tools, case):
     text, want = TEXTS[case]
@@ -62,6 +65,7 @@ def test_without_the_patch_the_fast_path_loses_text(tokenizer, request_with_tool
     assert got.startswith(want.split("\\n")[0])  # the text up to the dropped newline
 
 
+@needs_fast_path
 def test_ordinary_values_keep_vllms_fast_path(tokenizer, request_with_tools, monkeypatch):
     """Where both rules agree the wrapper returns vLLM's extender (counted here)."""
     from vllm.parser import qwen3
@@ -83,6 +87,7 @@ def test_ordinary_values_keep_vllms_fast_path(tokenizer, request_with_tools, mon
     assert any(made)
 
 
+@needs_fast_path
 def test_the_opt_out_leaves_vllms_fast_path(monkeypatch):
     from vllm.parser import qwen3
 
@@ -98,6 +103,7 @@ def test_the_opt_out_leaves_vllms_fast_path(monkeypatch):
         assert qwen3._qwen3_arg_value_extender is stock
 
 
+@needs_fast_path
 def test_the_pinned_source_is_the_installed_one():
     from vllm_dualgpu.patching.core import READY, check_patch
     from vllm_dualgpu.patching.registry import PATCHES
@@ -105,3 +111,13 @@ def test_the_pinned_source_is_the_installed_one():
     (patch,) = [p for p in PATCHES if p.name == NAME]
     with reverted(NAME):
         assert check_patch(patch, vllm.__version__).status == READY
+
+
+@pytest.mark.skipif(HAS_FAST_PATH, reason="this vLLM has the fast path")
+def test_older_vllm_skips_the_entry():
+    from vllm_dualgpu.patching.core import SKIPPED, check_patch
+    from vllm_dualgpu.patching.registry import PATCHES
+
+    (patch,) = [p for p in PATCHES if p.name == NAME]
+    outcome = check_patch(patch, vllm.__version__)
+    assert outcome.status == SKIPPED and "not in >=0.33.0,<0.34" in outcome.reason
