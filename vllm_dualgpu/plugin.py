@@ -64,7 +64,10 @@ def ensure(kinds: frozenset[str]) -> list[Outcome]:
             _state["outcomes"] = []
             return _state["outcomes"]
         active = dualgpu_active()
-        outcomes = [apply_patch(p, version) for p in select_patches(new, active)]
+        # An entry whose range leaves this vLLM out is for other releases: not applied, not
+        # reported as skipped (doctor still lists it).
+        outcomes = [apply_patch(p, version) for p in select_patches(new, active)
+                    if version_in_range(version, p.vllm_versions)]
         _state["outcomes"] = (_state["outcomes"] or []) + outcomes
         if new == {DEVICE}:
             _note_device_phase(outcomes)
