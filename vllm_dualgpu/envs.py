@@ -63,3 +63,8 @@ def parse_partition(text: str | None, num_layers: int, pp_size: int) -> list[int
         )
     return parts
 
+
+# --- tool-call parser fixes (issue #16; patches/tool_parsers_qwen3_xml.py) ---
+# 0 (or false/no/off) leaves vLLM's tool parsers as shipped: the registry entries that name it in
+# Patch.opt_out are not applied (they fix vLLM's front end for every executor, not only dualgpu).
+TOOL_PARSER_FIXES = "VLLM_DUALGPU_TOOL_PARSER_FIXES"

@@ -8,7 +8,7 @@ import threading
 
 from vllm_dualgpu._version import SUPPORTED_VLLM, __version__
 from vllm_dualgpu.log import logger
-from vllm_dualgpu.patching.core import ALREADY, APPLIED, Outcome, apply_patch, version_in_range
+from vllm_dualgpu.patching.core import ALREADY, APPLIED, Outcome, apply_patch, opted_out, version_in_range
 from vllm_dualgpu.process import DEVICE, WORKER, current_process_kinds, dualgpu_active, process_label
 
 _lock = threading.Lock()
@@ -23,12 +23,13 @@ def installed_vllm_version() -> str:
 
 
 def select_patches(kinds: frozenset[str], active: bool):
-    """The registry entries for this process. Workers of other executors get none."""
+    """The registry entries for this process. Workers of other executors get none; an entry the
+    user opted out of (Patch.opt_out) is left out."""
     from vllm_dualgpu.patching.registry import PATCHES
 
     if (WORKER in kinds or DEVICE in kinds) and not active:
         return ()
-    return tuple(p for p in PATCHES if kinds.intersection(p.processes))
+    return tuple(p for p in PATCHES if kinds.intersection(p.processes) and not opted_out(p))
 
 
 def register() -> list[Outcome]:
@@ -63,7 +64,10 @@ def ensure(kinds: frozenset[str]) -> list[Outcome]:
             _state["outcomes"] = []
             return _state["outcomes"]
         active = dualgpu_active()
-        outcomes = [apply_patch(p, version) for p in select_patches(new, active)]
+        # An entry whose range leaves this vLLM out is for other releases: not applied, not
+        # reported as skipped (doctor still lists it).
+        outcomes = [apply_patch(p, version) for p in select_patches(new, active)
+                    if version_in_range(version, p.vllm_versions)]
         _state["outcomes"] = (_state["outcomes"] or []) + outcomes
         if new == {DEVICE}:
             _note_device_phase(outcomes)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -55,6 +56,9 @@ class Patch:
     """For a patch that mirrors the target's code instead of calling it: the digest of the
     target's source it was written against (:func:`source_check.function_digest`); any other
     source is refused."""
+    opt_out: str = ""
+    """An environment variable that, set to 0 (false, no, off), leaves this patch unapplied; for
+    patches that fix vLLM for every executor (the others act only under dualgpu)."""
 
     @property
     def module(self) -> str:
@@ -63,6 +67,14 @@ class Patch:
     @property
     def qualname(self) -> str:
         return self.target.split(":", 1)[1]
+
+
+def opted_out(patch: Patch, env: dict | None = None) -> bool:
+    """Whether the user switched ``patch`` off through its ``opt_out`` variable."""
+    if not patch.opt_out:
+        return False
+    value = (os.environ if env is None else env).get(patch.opt_out, "").strip().lower()
+    return value in ("0", "false", "no", "off")
 
 
 @dataclass

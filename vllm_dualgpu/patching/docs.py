@@ -22,7 +22,9 @@ names and only for the vLLM versions in its range. Before a patch changes anythi
 its target exists with the expected parameters and that every `from x import f` copy still holds
 vLLM's original; if any check fails it changes nothing and the process logs why. Patched objects
 carry a sentinel, so applying twice is harmless. Patches that change behaviour act only when the
-`dualgpu` executor drives the run; with `mp`, `ray` or a class path vLLM behaves as stock.
+`dualgpu` executor drives the run; with `mp`, `ray` or a class path vLLM behaves as stock. The
+exceptions name an **Opt-out**: they fix vLLM's front end for every executor (the tool-call
+parser fixes, docs/tool-calling.md) and setting that variable to 0 leaves them unapplied.
 Processes: `frontend` (API server or the `LLM` caller), `engine` (EngineCore), `worker` (each
 GPU worker, when vLLM loads plugins there) and `device` (a dualgpu worker once its CUDA device
 is set, for targets whose module starts CUDA when imported; listed in the rank's summary line).
@@ -92,6 +94,8 @@ def render() -> str:
                 f"- **Source pinned:** sha256 `{p.source_sha256}` (the target's source this patch "
                 "mirrors; any other is refused)\n"
             )
+        if p.opt_out:
+            out.append(f"- **Opt-out:** `{p.opt_out}=0` (applies under every executor otherwise)\n")
         out.append(f"- **Why:** {p.why}\n")
         out.append(f"- **Upstream:** {p.upstream}\n")
         out.append(f"- **Remove when:** {p.remove_when}\n")

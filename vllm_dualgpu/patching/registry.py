@@ -7,6 +7,7 @@ why, which upstream issue or PR it relates to, and when it can go.
 
 from __future__ import annotations
 
+from vllm_dualgpu.envs import TOOL_PARSER_FIXES
 from vllm_dualgpu.patching.core import Patch
 from vllm_dualgpu.process import DEVICE, ENGINE, FRONTEND, WORKER
 
@@ -465,6 +466,90 @@ PATCHES: tuple[Patch, ...] = (
             "parallel_group",
         ),
         issue="#6",
+    ),
+    # --- tool-call parser fixes of the reference setup (issue #16 item 5) ---
+    # Front end, every executor (tool calls are parsed in the API server), so each names the
+    # opt-out VLLM_DUALGPU_TOOL_PARSER_FIXES=0. Bodies: patches/tool_parsers_qwen3_xml.py; what
+    # is fixed where: docs/tool-calling.md. Sources read in vLLM 0.30.0, 0.31.0, 0.32.0 and
+    # 0.33.0: the pinned functions are the same in all four, neither fix is upstream.
+    Patch(
+        name="tool-call-args-closed-when-cut",
+        target="vllm.parser.engine.parser_engine:ParserEngine._flush_arg_converter",
+        processes=(FRONTEND,),
+        vllm_versions=">=0.30.0,<0.34",
+        why=(
+            "Streaming sends a string argument as it grows and leaves its closing quote to this "
+            "flush at the end of the call, which re-converts the arguments with partial=False: "
+            "a parameter still open (max_tokens or a stop string mid-value, or a model that "
+            "never wrote `</parameter>`) is dropped, the result no longer extends what was sent, "
+            "and the flush sends nothing, so the client's arguments stay unterminated JSON "
+            "('{\"path\": \"README.md\", \"content\": \"# Title...'). When vLLM's flush "
+            "sends nothing and the streamed text is not valid JSON, the wrapper sends the rest "
+            "of the partial conversion (the open value as generated, closed), or else the "
+            "closing quote and brackets of what was streamed. Every parser-engine tool parser "
+            "with an argument converter (qwen3_xml, qwen3_coder and the others built on "
+            "ParserEngine) streams this way. Non-streaming results are unchanged."
+        ),
+        upstream="vLLM PR #53739 (open): 'Terminate streamed tool arguments the flush cannot "
+        "extend'; related vLLM PR #48007 (open), vLLM issue #57699",
+        remove_when="the supported vLLM terminates streamed tool arguments that its flush cannot "
+        "extend (PR #53739 merged: the pinned source changes and this entry skips)",
+        factory="vllm_dualgpu.patches.tool_parsers_qwen3_xml:wrap_flush_arg_converter",
+        params=("self", "idx"),
+        issue="#16",
+        optional=True,
+        source_sha256="9abcae3623781596891f89c36fb9bc41eecbab83d29441b88dc0a8ecc3a4e3c1",
+        opt_out=TOOL_PARSER_FIXES,
+    ),
+    Patch(
+        name="qwen3-xml-param-text-in-value",
+        target="vllm.parser.qwen3:_qwen3_arg_converter",
+        processes=(FRONTEND,),
+        vllm_versions=">=0.30.0,<0.34",
+        why=(
+            "The Qwen3 XML converter (qwen3_xml, qwen3_coder and every config built by "
+            "qwen3_config) ends a value at `</parameter>` or at the next `<parameter=`, so a value "
+            "that contains `<parameter=x>` text (a file or prompt about this format) is split "
+            "and the rest becomes a phantom argument x. The replacement ends a value only at a "
+            "`</parameter>` followed by the next `<parameter=`, `</function>`, `</tool_call>` or "
+            "the end of the arguments (while streaming, by the start of one of those too), and converts "
+            "as vLLM does otherwise. A model that omits `</parameter>` before the next "
+            "`<parameter=` gets the rest in that value instead of a guessed new parameter. "
+            "qwen3_config (cached) looks the converter up when it builds a config; the factory "
+            "clears its cache. Pinned to vLLM's source."
+        ),
+        upstream="none found in vLLM (sglang issue #39836 reports the same split in its Qwen3 "
+        "coder detector)",
+        remove_when="the supported vLLM keeps `<parameter=...>` text inside a Qwen3 XML argument "
+        "value",
+        factory="vllm_dualgpu.patches.tool_parsers_qwen3_xml:wrap_qwen3_arg_converter",
+        params=("raw_args", "partial"),
+        issue="#16",
+        optional=True,
+        source_sha256="9c96f2737147c6245b1c69572a2b6ca25c238b7f8189fc6bceb4b669c2aa4598",
+        opt_out=TOOL_PARSER_FIXES,
+    ),
+    Patch(
+        name="qwen3-xml-param-text-in-value-streamed",
+        target="vllm.parser.qwen3:_qwen3_arg_value_extender",
+        processes=(FRONTEND,),
+        vllm_versions=">=0.33.0,<0.34",
+        why=(
+            "vLLM 0.33 streams an open Qwen3 XML value through a fast path that skips the "
+            "converter and finds the open value with vLLM's rule, so next to "
+            "qwen3-xml-param-text-in-value it could stream text for a phantom parameter. The "
+            "wrapper hands out vLLM's fast path only where both rules agree on the open "
+            "parameter and its text; elsewhere the engine converts each delta, as on "
+            "0.30-0.32. The factory clears qwen3_config's cache. Pinned to vLLM's source."
+        ),
+        upstream="none (the fast path is new in vLLM 0.33; see qwen3-xml-param-text-in-value)",
+        remove_when="qwen3-xml-param-text-in-value goes",
+        factory="vllm_dualgpu.patches.tool_parsers_qwen3_xml:wrap_qwen3_arg_value_extender",
+        params=("raw_args",),
+        issue="#16",
+        optional=True,
+        source_sha256="718f1a582b7ad787d3537bd3dcbe15ebad08962d472ef97d8f1b9177f00ab9f4",
+        opt_out=TOOL_PARSER_FIXES,
     ),
 )
 

@@ -132,6 +132,8 @@ def _targets_now(patches) -> dict:
             now[p.name] = _function_of(_raw_attr(*_resolve_owner(p)))
         except ImportError:
             now[p.name] = None  # vllm.platforms.cuda without a driver
+        except AttributeError:
+            now[p.name] = None  # an entry for other vLLM releases, whose target this one lacks
     return now
 
 
