@@ -98,12 +98,12 @@ def fake_dist(site, name, version, *requires):
 
 def test_unmet_requirements_names_what_neither_site_nor_image_meets(tmp_path, monkeypatch):
     site = tmp_path / "site"
-    fake_dist(site, "staged", "1.0", "helper-lib>=2", "absent-lib", "skipped-lib",
+    fake_dist(site, "staged", "1.0", "dep-lib>=2", "absent-lib", "skipped-lib",
               "pytest>=1", "pytest<1", "win-only; sys_platform == 'win32'", "extra-only; extra == 'x'")
-    fake_dist(site, "helper_lib", "1.5")
+    fake_dist(site, "dep_lib", "1.5")
     monkeypatch.syspath_prepend(str(site))
     unmet = {(name, req): have for name, req, have in check_site.unmet_requirements(str(site), {"skipped-lib"})}
-    assert unmet == {("staged", "helper-lib>=2"): "1.5", ("staged", "absent-lib"): None,
+    assert unmet == {("staged", "dep-lib>=2"): "1.5", ("staged", "absent-lib"): None,
                      ("staged", "pytest<1"): pytest.__version__}
 
 
