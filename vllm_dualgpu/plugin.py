@@ -131,7 +131,7 @@ def refusal_message(where: str, problems: list[str]) -> str:
 def _note_device_phase(outcomes: list[Outcome]) -> None:
     """The device phase goes into the rank's summary line (one INFO line per process already
     came from register()); a skipped patch still gets its WARNING."""
-    from vllm_dualgpu.engine import rank_summary
+    from vllm_dualgpu import rank_summary
 
     applied, skipped = _applied_and_skipped(outcomes)
     if skipped:

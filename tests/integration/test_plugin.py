@@ -111,7 +111,7 @@ def test_device_phase_goes_into_the_rank_summary(caplog):
     summary line; a skipped one also gets a WARNING saying why."""
     from conftest import registry_patch
 
-    from vllm_dualgpu.engine import rank_summary
+    from vllm_dualgpu import rank_summary
     from vllm_dualgpu.patching.core import APPLIED, SKIPPED, Outcome
 
     caplog.set_level(logging.INFO, logger="vllm.dualgpu")

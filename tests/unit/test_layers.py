@@ -2,7 +2,7 @@
 
 Bottom to top: the base (version, logging, process kinds, support, per-rank notes), the pure
 planner, the settings and the NVML reader (they use the planner's size and GPU types), kernel
-helpers, the patch machinery and registry, the
+helpers, the patch machinery, registry and the plugin that applies it, the
 engine side (executor, planning, workers), the patch bodies (they may call into the engine),
 the plugin entry point, the command line. In-function imports count: a lazy import up the
 layers is still a dependency up the layers.
@@ -22,10 +22,11 @@ LAYERS = [
     {"vllm_dualgpu.planner"},
     {"vllm_dualgpu.envs", "vllm_dualgpu.nvml"},
     {"vllm_dualgpu.kernels"},
-    {"vllm_dualgpu.patching"},
+    # plugin.py applies the registry in this process (and is vLLM's entry point): the engine
+    # calls it to make sure its own process is patched.
+    {"vllm_dualgpu.patching", "vllm_dualgpu.plugin"},
     {"vllm_dualgpu.engine"},
     {"vllm_dualgpu.patches"},
-    {"vllm_dualgpu.plugin"},
     {"vllm_dualgpu.cli"},
 ]
 # The package's __init__ only re-exports register(), which loads the plugin lazily.

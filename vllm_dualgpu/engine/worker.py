@@ -17,7 +17,8 @@ import torch
 from vllm.v1.worker.gpu_worker import Worker
 
 from vllm_dualgpu import envs, plugin
-from vllm_dualgpu.engine import handoff, rank_summary
+from vllm_dualgpu import rank_summary
+from vllm_dualgpu.engine import handoff
 from vllm_dualgpu.log import logger
 from vllm_dualgpu.planner.gpus import rank_budget
 from vllm_dualgpu.process import DEVICE, WORKER

@@ -22,7 +22,7 @@ import os
 import sys
 from collections.abc import Iterable, MutableMapping
 
-from vllm_dualgpu.engine import rank_summary
+from vllm_dualgpu import rank_summary
 from vllm_dualgpu.log import logger
 
 CUTE_DSL_ARCH = "CUTE_DSL_ARCH"

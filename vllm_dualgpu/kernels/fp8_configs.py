@@ -251,7 +251,7 @@ def summary(device_name: str | None = None) -> str:
 
 def _record(device_name: str, N: int, K: int, block_n: int, block_k: int, source: str,
             path: Path | None, dirs: list[tuple[str, Path]]) -> None:
-    from vllm_dualgpu.engine import rank_summary
+    from vllm_dualgpu import rank_summary
 
     shape = f"N={N},K={K},block=[{block_n},{block_k}]"
     with _lock:

@@ -78,7 +78,7 @@ def prefer_triton_here(compute_capability: int | None = None, env: dict | None =
 
 def _note(reordered: bool) -> None:
     global _logged
-    from vllm_dualgpu.engine import rank_summary
+    from vllm_dualgpu import rank_summary
 
     with _lock:
         first = not _logged

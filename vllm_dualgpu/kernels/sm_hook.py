@@ -18,7 +18,7 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from vllm_dualgpu.engine import rank_summary
+from vllm_dualgpu import rank_summary
 from vllm_dualgpu.log import logger
 
 LIBRARY = "_C_stable_libtorch"

@@ -26,7 +26,7 @@ import functools
 import sys
 from collections.abc import Callable
 
-from vllm_dualgpu.engine import rank_summary
+from vllm_dualgpu import rank_summary
 from vllm_dualgpu.patches.spec_common import dualgpu_active
 
 # Module of the caller -> qualified name of the method that builds embed_tokens without

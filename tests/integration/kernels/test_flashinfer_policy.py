@@ -11,7 +11,7 @@ import pytest
 import torch
 from vllm.config.kernel import KernelConfig  # configures vLLM's logging before `records` hooks in
 
-from vllm_dualgpu.engine import rank_summary
+from vllm_dualgpu import rank_summary
 from vllm_dualgpu.kernels import flashinfer as fi
 
 CAPS = [(8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (10, 3), (12, 0), (12, 1)]

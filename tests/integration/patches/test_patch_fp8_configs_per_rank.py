@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_dualgpu.engine import rank_summary
+from vllm_dualgpu import rank_summary
 from vllm_dualgpu.kernels import fp8_configs as fc
 
 ROOT = Path(__file__).resolve().parents[3]

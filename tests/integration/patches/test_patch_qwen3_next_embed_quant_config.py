@@ -118,7 +118,7 @@ def test_patched_model_embedding_is_quantized(patched, build, qwen3_5, active):
 
 
 def test_rank_summary_names_each_completed_embedding(patched, build, qwen3_5, mtp_module, active):
-    from vllm_dualgpu.engine import rank_summary
+    from vllm_dualgpu import rank_summary
     from vllm_dualgpu.patches.vocab_embedding import SUMMARY_KEY
 
     rank_summary.clear()

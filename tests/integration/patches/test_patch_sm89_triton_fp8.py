@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from vllm_dualgpu.engine import rank_summary
+from vllm_dualgpu import rank_summary
 from vllm_dualgpu.kernels import fp8_preference as pref
 
 CAPS = {"RTX 4070 Ti SUPER": (8, 9), "RTX 5090": (12, 0), "RTX A5000": (8, 6), "H200": (9, 0)}

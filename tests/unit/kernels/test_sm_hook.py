@@ -20,7 +20,7 @@ import threading
 
 import pytest
 
-from vllm_dualgpu.engine import rank_summary
+from vllm_dualgpu import rank_summary
 from vllm_dualgpu.kernels import sm_hook
 from vllm_dualgpu.kernels.sm_hook import SYMBOL, SmHookError, install_sm_hook, select_library, sm_hook_status
 
