@@ -26,6 +26,12 @@ try:
     from vllm_dualgpu import _C
 except ImportError:
     _C = None
+try:
+    import capstone  # noqa: F401  (the coverage analysis)
+
+    HAVE_CAPSTONE = True
+except ImportError:
+    HAVE_CAPSTONE = False
 
 # Marks, not a module-level importorskip: a run that deselects these tests (``pytest -m gpu``)
 # does not report them as skipped.
@@ -113,9 +119,12 @@ def test_hook_answers_for_each_threads_current_device(libs):
     # The worker's summary line names the library, the symbol and the slot change.
     fact = rank_summary.facts()["sm-hook"]
     assert "libfakevllm_lazy.so" in fact and SYMBOL in fact and "1 PLT slot rewritten" in fact
-    # One query in the fake (fake_dispatch's call through the PLT), and it is covered.
-    assert report.coverage.total == 1 and report.coverage.covered == 1
-    assert fact.startswith("libfakevllm_lazy.so: 1 of 1 capability queries covered")
+    if HAVE_CAPSTONE:  # one query in the fake (fake_dispatch's call through the PLT), covered
+        assert report.coverage.total == 1 and report.coverage.covered == 1
+        assert fact.startswith("libfakevllm_lazy.so: 1 of 1 capability queries covered")
+    else:  # installed all the same, and the note says the coverage is unknown, and why
+        assert report.coverage is None and "capstone" in report.coverage_error
+        assert fact.startswith("libfakevllm_lazy.so: coverage not analysed (")
     assert hex(report.new_target) in fact and "libfakecudart.so" in fact
     # ... and what the hook answers on the installing thread's device (the worker's own GPU).
     assert report.answer in (89, 120, 90) and report.answer == _C.sm_version_current_device()
@@ -171,7 +180,8 @@ def test_missing_symbol_is_refused_loudly(libs):
         install_sm_hook(library="libfakevllm_lazy", symbol="_Z8no_suchv", target=1)
     # A library that makes no capability query (the fake runtime) is refused before anything
     # is written.
-    with pytest.raises(SmHookError, match="libfakecudart.so: NOT covered: no device-0 capability query"):
+    refusal = ": NOT covered: no device-0 capability query" if HAVE_CAPSTONE else f" has no {JUMP_SLOT} relocation"
+    with pytest.raises(SmHookError, match=f"libfakecudart.so{refusal}"):
         install_sm_hook(library="libfakecudart")
 
 
