@@ -1,8 +1,8 @@
 """How many device-0 capability queries vLLM's compiled library makes, and how many the sm hook covers.
 
-Read from the library FILE (it need not be loaded, and no CUDA is needed): pyelftools reads the
-ELF (sections, symbols, relocations) and capstone decodes the x86-64 code. A *capability query*
-is one place that reads the compute capability of a hard-coded device 0:
+Read from the library FILE (it need not be loaded, and no CUDA is needed): the ELF tables are
+read with ``struct`` and the x86-64 code is decoded with capstone. A *capability query* is one
+place that reads the compute capability of a hard-coded device 0:
 
 - a call of ``get_sm_version_num()`` (``_Z18get_sm_version_numv``), outside its own body, or
 - a call of ``cudaDeviceGetAttribute(&v, cudaDevAttrComputeCapabilityMajor (75), 0)`` with both
@@ -72,7 +72,8 @@ class Coverage:
     body: tuple[CallSite, ...]
     """cudaDeviceGetAttribute calls inside get_sm_version_num's own definition."""
     other_capability: int
-    """Capability-attribute (75/76) calls whose device is not the constant 0 (left to vLLM)."""
+    """Capability-attribute (75/76) calls whose device is not the constant 0 (computed at run
+    time; the shim changes them only when they ask for device 0)."""
     attr_calls: int
     """Every call of cudaDeviceGetAttribute found (any attribute, any device)."""
     covered_sites: frozenset = field(default_factory=frozenset)

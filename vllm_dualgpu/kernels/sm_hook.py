@@ -179,7 +179,7 @@ def install_sm_hook(
             raise SmHookError(str(exc)) from None
         coverage, why = None, None
         try:
-            coverage = sm_coverage.analyse(path)
+            coverage = sm_coverage.analyse(path, hooked=(symbol, ATTR_SYMBOL))
         except CoverageError as exc:
             why = str(exc)
         if coverage is not None and not coverage.ok:
