@@ -5,6 +5,8 @@ it by file name, and a second copy would not be loaded beside the first."""
 
 from __future__ import annotations
 
+import ctypes
+import os
 import subprocess
 import threading
 from pathlib import Path
@@ -51,3 +53,10 @@ def on_device(fn, cudart, device: int, *args) -> int:
     t.start()
     t.join()
     return result[0]
+
+
+def load(path) -> ctypes.CDLL:
+    """Load a fake like Python loads an extension module (RTLD_NOW, RTLD_LOCAL), with
+    RTLD_DEEPBIND so its imports resolve to the fake runtime even when a real libcudart is
+    already in the global scope (torch's CUDA build, imported by another test)."""
+    return ctypes.CDLL(str(path), mode=os.RTLD_NOW | os.RTLD_DEEPBIND)

@@ -16,7 +16,7 @@ import subprocess
 import sys
 
 import pytest
-from sm_fakes import build, on_device
+from sm_fakes import build, load, on_device
 
 from vllm_dualgpu.engine import rank_summary
 from vllm_dualgpu.kernels import sm_hook
@@ -71,7 +71,7 @@ def libs(tmp_path_factory, fake_cudart):
     out = {"dir": d, "cudart_path": cudart_path, "cudart": cudart}
     for name, flags in VARIANTS.items():
         so = build(d, f"libfakevllm_{name}.so", VLLM, flags, cudart_path)
-        out[name] = ctypes.CDLL(str(so))  # RTLD_LOCAL, like Python extension modules
+        out[name] = load(so)
         out[f"{name}_path"] = str(so)
     return out
 

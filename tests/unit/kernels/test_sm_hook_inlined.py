@@ -17,12 +17,11 @@ So the hook covers 4 of 4 queries, and the 0.30-style hook alone (get_sm_version
 
 from __future__ import annotations
 
-import ctypes
 import shutil
 import subprocess
 
 import pytest
-from sm_fakes import build, on_device
+from sm_fakes import build, load, on_device
 
 from vllm_dualgpu.engine import rank_summary
 from vllm_dualgpu.kernels import sm_coverage, sm_hook
@@ -110,7 +109,7 @@ def libs(tmp_path_factory, fake_cudart):
     out = {"cudart": cudart}
     for name, (source, flags) in VARIANTS.items():
         so = build(d, name, source, flags, cudart_path)
-        out[name] = (str(so), ctypes.CDLL(str(so)))
+        out[name] = (str(so), load(so))
     return out
 
 
