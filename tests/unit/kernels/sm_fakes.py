@@ -1,13 +1,18 @@
 """Fakes for the sm hook tests: a CUDA runtime and vLLM-like libraries, built here with g++.
 
-The fake runtime is one library per test session (conftest.py's ``fake_cudart``): the fakes link
-it by file name, and a second copy would not be loaded beside the first."""
+The fake runtime is built once per process (:func:`fake_cudart`): the fakes link it by file name,
+and a second copy would not be loaded beside the first. (Not a conftest.py fixture: other test
+modules import ``conftest`` by name and must find tests/conftest.py.)"""
 
 from __future__ import annotations
 
+import atexit
 import ctypes
+import functools
 import os
+import shutil
 import subprocess
+import tempfile
 import threading
 from pathlib import Path
 
@@ -60,3 +65,12 @@ def load(path) -> ctypes.CDLL:
     RTLD_DEEPBIND so its imports resolve to the fake runtime even when a real libcudart is
     already in the global scope (torch's CUDA build, imported by another test)."""
     return ctypes.CDLL(str(path), mode=os.RTLD_NOW | os.RTLD_DEEPBIND)
+
+
+@functools.lru_cache(maxsize=None)
+def fake_cudart() -> tuple[Path, ctypes.CDLL]:
+    """(path, handle) of libfakecudart.so, built on first use."""
+    folder = Path(tempfile.mkdtemp(prefix="fakecudart"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    path = build(folder, "libfakecudart.so", CUDART)
+    return path, ctypes.CDLL(str(path))

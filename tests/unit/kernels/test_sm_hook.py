@@ -16,7 +16,7 @@ import subprocess
 import sys
 
 import pytest
-from sm_fakes import build, load, on_device
+from sm_fakes import build, fake_cudart, load, on_device
 
 from vllm_dualgpu.engine import rank_summary
 from vllm_dualgpu.kernels import sm_hook
@@ -65,9 +65,9 @@ VARIANTS = {
 
 
 @pytest.fixture(scope="module")
-def libs(tmp_path_factory, fake_cudart):
+def libs(tmp_path_factory):
     d = tmp_path_factory.mktemp("fakelibs")
-    cudart_path, cudart = fake_cudart
+    cudart_path, cudart = fake_cudart()
     out = {"dir": d, "cudart_path": cudart_path, "cudart": cudart}
     for name, flags in VARIANTS.items():
         so = build(d, f"libfakevllm_{name}.so", VLLM, flags, cudart_path)

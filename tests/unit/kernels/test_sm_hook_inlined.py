@@ -21,7 +21,7 @@ import shutil
 import subprocess
 
 import pytest
-from sm_fakes import build, load, on_device
+from sm_fakes import build, fake_cudart, load, on_device
 
 from vllm_dualgpu.engine import rank_summary
 from vllm_dualgpu.kernels import sm_coverage, sm_hook
@@ -103,9 +103,9 @@ VARIANTS = {
 
 
 @pytest.fixture(scope="module")
-def libs(tmp_path_factory, fake_cudart):
+def libs(tmp_path_factory):
     d = tmp_path_factory.mktemp("fake033")
-    cudart_path, cudart = fake_cudart
+    cudart_path, cudart = fake_cudart()
     out = {"cudart": cudart}
     for name, (source, flags) in VARIANTS.items():
         so = build(d, name, source, flags, cudart_path)
