@@ -4,7 +4,7 @@
 
 namespace py = pybind11;
 
-// sm_hook.cpp: per-device get_sm_version_num() for vLLM's compiled library (docs/sm-hook.md).
+// sm_hook.cpp: per-device compute capability for vLLM's compiled library (docs/sm-hook.md).
 void register_sm_hook(py::module_& m);
 
 #ifndef VLLM_DUALGPU_VERSION

@@ -1,5 +1,7 @@
-// Per-device get_sm_version_num() for vLLM's compiled library, installed by rewriting its PLT
-// slots (GOT entries) in memory. See docs/sm-hook.md for the mechanism and its limits.
+// Per-device compute capability for vLLM's compiled library, installed by rewriting its PLT
+// slots (GOT entries) in memory: get_sm_version_num() (vLLM 0.30/0.31 call it through the PLT)
+// and the library's import of cudaDeviceGetAttribute (0.32+ inline get_sm_version_num and ask
+// the runtime for device 0 directly). See docs/sm-hook.md for the mechanism and its limits.
 //
 // vLLM 0.30's _C_stable_libtorch defines `int get_sm_version_num()` (mangled
 // _Z18get_sm_version_numv), which asks the CUDA runtime for the capability of device 0, and calls
@@ -79,6 +81,20 @@ extern "C" int vllm_dualgpu_sm_version_current_device() {
   const int version = major * 10 + minor;
   if (cacheable && version > 0) g_capability[device].store(version, std::memory_order_relaxed);
   return version;
+}
+
+// The replacement for the library's own import of cudaDeviceGetAttribute. From vLLM 0.32 the
+// library inlines get_sm_version_num(): its dispatchers call cudaDeviceGetAttribute(&v, 75 or
+// 76, 0) themselves, through the library's JUMP_SLOT for cudaDeviceGetAttribute. This answers
+// the two compute-capability attributes asked for device 0 for the calling thread's current
+// device instead; every other attribute and device goes to the runtime's function unchanged.
+extern "C" int vllm_dualgpu_device_get_attribute(int* value, int attr, int device) {
+  if (device == 0 &&
+      (attr == kCudaDevAttrComputeCapabilityMajor || attr == kCudaDevAttrComputeCapabilityMinor)) {
+    int current = 0;
+    if (g_get_device.load(std::memory_order_acquire)(&current) == 0 && current > 0) device = current;
+  }
+  return g_get_attribute.load(std::memory_order_acquire)(value, attr, device);
 }
 
 namespace {
@@ -307,6 +323,57 @@ py::dict py_plt_hook(const std::string& path, const std::string& symbol, uintptr
   return out;
 }
 
+// Every slot of every (symbol, target) pair, or none: all slots are found before the first
+// store, and a store that fails puts the ones already written back. Symbols without a slot are
+// reported with an empty list; when no symbol has one, nothing is written and it raises.
+py::list py_plt_hook_all(const std::string& path,
+                         const std::vector<std::pair<std::string, uintptr_t>>& pairs) {
+  std::vector<SlotScan> scans;
+  size_t found = 0;
+  std::string missing;
+  for (const auto& [symbol, target] : pairs) {
+    if (target == 0) throw std::invalid_argument("target address for " + symbol + " is 0");
+    scans.push_back(scan(path, symbol));
+    found += scans.back().slots.size();
+    if (scans.back().slots.empty()) missing += (missing.empty() ? "" : "; ") + no_slot_message(scans.back(), path, symbol);
+  }
+  if (found == 0) throw std::runtime_error(missing.empty() ? path + ": nothing to hook" : missing);
+  std::vector<Slot> written;  // (slot, old value) for the undo
+  std::vector<std::vector<bool>> read_only(scans.size());
+  try {
+    for (size_t i = 0; i < scans.size(); ++i) {
+      for (const auto& slot : scans[i].slots) {
+        if (slot.value == pairs[i].second) {
+          read_only[i].push_back(false);
+          continue;
+        }
+        read_only[i].push_back(write_slot(slot.address, pairs[i].second));
+        written.push_back(slot);
+      }
+    }
+  } catch (const std::exception& e) {
+    for (auto it = written.rbegin(); it != written.rend(); ++it) {
+      try { write_slot(it->address, it->value); } catch (const std::exception&) {}
+    }
+    throw std::runtime_error(std::string("rewriting the GOT failed, every slot put back: ") + e.what());
+  }
+  py::list out;
+  for (size_t i = 0; i < scans.size(); ++i) {
+    py::dict d = describe(scans[i]);
+    size_t rewritten = 0, already = 0;
+    for (const auto& slot : scans[i].slots) (slot.value == pairs[i].second ? already : rewritten) += 1;
+    py::list ro;
+    for (bool b : read_only[i]) ro.append(b);
+    d["symbol"] = pairs[i].first;
+    d["new_target"] = pairs[i].second;
+    d["rewritten"] = rewritten;
+    d["already"] = already;
+    d["read_only"] = ro;
+    out.append(d);
+  }
+  return out;
+}
+
 std::string py_bind_cuda_runtime(const std::string& path) {
   // RTLD_NOLOAD: a handle on the already loaded library, never a second copy. A handle lookup
   // searches the library and then its dependencies, i.e. the runtime the library itself uses.
@@ -347,6 +414,16 @@ int py_sm_version_current_device() {
   return vllm_dualgpu_sm_version_current_device();
 }
 
+int py_device_attribute(int attr, int device) {
+  if (g_get_device.load() == nullptr || g_get_attribute.load() == nullptr) {
+    throw std::runtime_error("the CUDA runtime is not bound yet: call bind_cuda_runtime first");
+  }
+  int value = 0;
+  const int rc = vllm_dualgpu_device_get_attribute(&value, attr, device);
+  if (rc != 0) throw std::runtime_error("cudaDeviceGetAttribute failed with error " + std::to_string(rc));
+  return value;
+}
+
 }  // namespace
 
 void register_sm_hook(py::module_& m) {
@@ -359,6 +436,10 @@ void register_sm_hook(py::module_& m) {
         "Point every PLT slot of `symbol` in the loaded `library` at address `target`. Slots "
         "already there are left as they are; read-only (RELRO) pages are made writable for the "
         "store and restored. Raises when the library is not loaded or has no such slot.");
+  m.def("plt_hook_all", &py_plt_hook_all, py::arg("library"), py::arg("pairs"),
+        "Point every PLT slot of each (symbol, target) pair in the loaded `library` at its "
+        "target: all slots or none (a failed store puts the written ones back). A symbol without "
+        "a slot gets an empty entry; raises when no symbol has one. Returns one dict per pair.");
   m.def("bind_cuda_runtime", &py_bind_cuda_runtime, py::arg("library"),
         "Resolve cudaGetDevice/cudaDeviceGetAttribute through the loaded `library`'s own "
         "dependencies (else the process) for the per-device hook; returns the providing path.");
@@ -366,6 +447,11 @@ void register_sm_hook(py::module_& m) {
   m.def("sm_version_hook_address",
         []() { return reinterpret_cast<uintptr_t>(&vllm_dualgpu_sm_version_current_device); },
         "Address of the native per-device replacement for get_sm_version_num().");
+  m.def("device_attribute_hook_address",
+        []() { return reinterpret_cast<uintptr_t>(&vllm_dualgpu_device_get_attribute); },
+        "Address of the native replacement for the library's cudaDeviceGetAttribute import.");
+  m.def("device_attribute", &py_device_attribute, py::arg("attr"), py::arg("device"),
+        "Call the cudaDeviceGetAttribute replacement once; returns the value (raises on error).");
   m.def("sm_version_current_device", &py_sm_version_current_device,
         "Call the per-device replacement once: major*10+minor of this thread's current device.");
 }

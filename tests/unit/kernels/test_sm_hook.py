@@ -1,8 +1,6 @@
 """The native sm hook on libraries laid out like vLLM's, built here with g++ (no CUDA needed).
 
-``libfakecudart.so`` plays the CUDA runtime: ``cudaGetDevice`` answers a per-thread device set
-by ``fake_set_device`` and ``cudaDeviceGetAttribute`` answers from a table (device 0: 8.9,
-1: 12.0, 2: 9.0). ``libfakevllm_*.so`` define ``int get_sm_version_num()`` exactly as vLLM's
+``libfakecudart.so`` (sm_fakes.py) plays the CUDA runtime. ``libfakevllm_*.so`` define ``int get_sm_version_num()`` exactly as vLLM's
 ``_C_stable_libtorch`` does (device 0 hard-coded, default visibility, mangled
 ``_Z18get_sm_version_numv``) and call it from ``fake_dispatch()`` in the same library, so the
 call goes through the PLT. The production install path then binds the fake runtime through the
@@ -16,9 +14,9 @@ import platform
 import shutil
 import subprocess
 import sys
-import threading
 
 import pytest
+from sm_fakes import build, fake_cudart, load, on_device
 
 from vllm_dualgpu import rank_summary
 from vllm_dualgpu.kernels import sm_hook
@@ -28,6 +26,12 @@ try:
     from vllm_dualgpu import _C
 except ImportError:
     _C = None
+try:
+    import capstone  # noqa: F401  (the coverage analysis)
+
+    HAVE_CAPSTONE = True
+except ImportError:
+    HAVE_CAPSTONE = False
 
 # Marks, not a module-level importorskip: a run that deselects these tests (``pytest -m gpu``)
 # does not report them as skipped.
@@ -37,20 +41,6 @@ pytestmark = [
 ]
 
 JUMP_SLOT = {"x86_64": "R_X86_64_JUMP_SLOT", "aarch64": "R_AARCH64_JUMP_SLOT"}.get(platform.machine(), "?")
-
-CUDART = r"""
-static thread_local int current = 0;
-static const int caps[3][2] = {{8, 9}, {12, 0}, {9, 0}};
-extern "C" int cudaGetDevice(int* device) { *device = current; return 0; }
-extern "C" int cudaDeviceGetAttribute(int* value, int attr, int device) {
-    if (device < 0 || device > 2) return 101;  /* cudaErrorInvalidDevice */
-    if (attr == 75) { *value = caps[device][0]; return 0; }
-    if (attr == 76) { *value = caps[device][1]; return 0; }
-    return 1;
-}
-extern "C" void fake_set_device(int device) { current = device; }
-extern "C" int fake_probe() { return 4242; }
-"""
 
 # The body of vLLM 0.30's get_sm_version_num, as its disassembly shows (docs/sm-hook.md).
 VLLM = r"""
@@ -62,6 +52,8 @@ int get_sm_version_num() {
     return major * 10 + minor;
 }
 extern "C" int fake_dispatch() { return get_sm_version_num(); }
+extern "C" int cudaGetDevice(int* device);
+extern "C" int fake_current() { int d = -1; cudaGetDevice(&d); return d; }
 """
 
 VARIANTS = {
@@ -75,35 +67,18 @@ VARIANTS = {
 @pytest.fixture(scope="module")
 def libs(tmp_path_factory):
     d = tmp_path_factory.mktemp("fakelibs")
-    (d / "cudart.cpp").write_text(CUDART)
-    (d / "vllm.cpp").write_text(VLLM)
-    cudart = d / "libfakecudart.so"
-    subprocess.run(["g++", "-shared", "-fPIC", "-O2", "-o", str(cudart), str(d / "cudart.cpp")], check=True)
-    out = {"dir": d, "cudart_path": cudart, "cudart": ctypes.CDLL(str(cudart))}
+    cudart_path, cudart = fake_cudart()
+    out = {"dir": d, "cudart_path": cudart_path, "cudart": cudart}
     for name, flags in VARIANTS.items():
-        so = d / f"libfakevllm_{name}.so"
-        subprocess.run(
-            ["g++", "-shared", "-fPIC", "-O2", *flags, "-o", str(so), str(d / "vllm.cpp"),
-             f"-L{d}", "-lfakecudart", f"-Wl,-rpath,{d}"],
-            check=True,
-        )
-        out[name] = ctypes.CDLL(str(so))  # RTLD_LOCAL, like Python extension modules
+        so = build(d, f"libfakevllm_{name}.so", VLLM, flags, cudart_path)
+        out[name] = load(so)
         out[f"{name}_path"] = str(so)
     return out
 
 
-def on_device(lib, cudart, device: int) -> int:
+def run_on(lib, cudart, device: int) -> int:
     """fake_dispatch() called from a fresh thread whose current (fake) device is `device`."""
-    result = []
-
-    def run():
-        cudart.fake_set_device(device)
-        result.append(lib.fake_dispatch())
-
-    t = threading.Thread(target=run)
-    t.start()
-    t.join()
-    return result[0]
+    return on_device(lib.fake_dispatch, cudart, device)
 
 
 def slot_page_writable(slot: int) -> bool:
@@ -125,7 +100,7 @@ def test_the_fake_calls_through_a_jump_slot_like_vllm(libs, variant):
 
 def test_without_the_hook_every_thread_gets_device_zero(libs):
     # The bug being fixed: device 1 (12.0) and device 2 (9.0) both hear 89.
-    assert [on_device(libs["plain"], libs["cudart"], d) for d in (0, 1, 2)] == [89, 89, 89]
+    assert [run_on(libs["plain"], libs["cudart"], d) for d in (0, 1, 2)] == [89, 89, 89]
 
 
 def test_hook_answers_for_each_threads_current_device(libs):
@@ -140,10 +115,16 @@ def test_hook_answers_for_each_threads_current_device(libs):
     defined = ctypes.cast(getattr(libs["lazy"], SYMBOL), ctypes.c_void_p).value
     assert report.definition == defined
     assert report.old_targets == (defined,)  # ctypes, like Python's importer, binds at load time
-    assert [on_device(libs["lazy"], libs["cudart"], d) for d in (0, 1, 2, 1, 0)] == [89, 120, 90, 120, 89]
+    assert [run_on(libs["lazy"], libs["cudart"], d) for d in (0, 1, 2, 1, 0)] == [89, 120, 90, 120, 89]
     # The worker's summary line names the library, the symbol and the slot change.
     fact = rank_summary.facts()["sm-hook"]
     assert "libfakevllm_lazy.so" in fact and SYMBOL in fact and "1 PLT slot rewritten" in fact
+    if HAVE_CAPSTONE:  # one query in the fake (fake_dispatch's call through the PLT), covered
+        assert report.coverage.total == 1 and report.coverage.covered == 1
+        assert fact.startswith("libfakevllm_lazy.so: 1 of 1 capability queries covered")
+    else:  # installed all the same, and the note says the coverage is unknown, and why
+        assert report.coverage is None and "capstone" in report.coverage_error
+        assert fact.startswith("libfakevllm_lazy.so: coverage not analysed (")
     assert hex(report.new_target) in fact and "libfakecudart.so" in fact
     # ... and what the hook answers on the installing thread's device (the worker's own GPU).
     assert report.answer in (89, 120, 90) and report.answer == _C.sm_version_current_device()
@@ -155,13 +136,15 @@ def test_second_install_is_a_no_op(libs):
     again = install_sm_hook(library="libfakevllm_lazy")
     assert again.rewritten == 0 and again.already == 1
     assert again.slots == first.slots and again.old_targets == (first.new_target,)
-    assert on_device(libs["lazy"], libs["cudart"], 1) == 120
+    assert run_on(libs["lazy"], libs["cudart"], 1) == 120
 
 
 def test_other_slots_of_the_library_are_left_alone(libs):
-    before = _C.plt_slots(libs["lazy_path"], "cudaDeviceGetAttribute")
+    # Only get_sm_version_num's and cudaDeviceGetAttribute's slots are rewritten: the fake's
+    # import of cudaGetDevice keeps its target.
+    before = _C.plt_slots(libs["lazy_path"], "cudaGetDevice")
     install_sm_hook(library="libfakevllm_lazy")
-    after = _C.plt_slots(libs["lazy_path"], "cudaDeviceGetAttribute")
+    after = _C.plt_slots(libs["lazy_path"], "cudaGetDevice")
     assert before["slots"] and after["targets"] == before["targets"]
 
 
@@ -172,7 +155,7 @@ def test_read_only_got_full_relro(libs):
     assert not slot_page_writable(slot)  # -z now -z relro: the loader sealed the GOT
     report = install_sm_hook(library="libfakevllm_now")
     assert report.read_only is True and report.rewritten == 1
-    assert [on_device(libs["now"], libs["cudart"], d) for d in (1, 2)] == [120, 90]
+    assert [run_on(libs["now"], libs["cudart"], d) for d in (1, 2)] == [120, 90]
     assert not slot_page_writable(slot)  # sealed again after the store
     assert sm_hook_status(library="libfakevllm_now")["hooked"]
 
@@ -181,7 +164,7 @@ def test_target_address_is_a_parameter(libs):
     probe = ctypes.cast(libs["cudart"].fake_probe, ctypes.c_void_p).value
     report = install_sm_hook(library="libfakevllm_probe", target=probe)
     assert report.new_target == probe and report.cuda_runtime is None
-    assert on_device(libs["probe"], libs["cudart"], 1) == 4242
+    assert run_on(libs["probe"], libs["cudart"], 1) == 4242
     assert not sm_hook_status(library="libfakevllm_probe")["hooked"]  # not the per-device one
 
 
@@ -194,10 +177,11 @@ def test_missing_library_is_refused_loudly():
 
 def test_missing_symbol_is_refused_loudly(libs):
     with pytest.raises(SmHookError, match=rf"no {JUMP_SLOT} relocation for _Z8no_suchv"):
-        install_sm_hook(library="libfakevllm_lazy", symbol="_Z8no_suchv")
-    # A library that defines nothing of the kind (the fake runtime) is refused the same way,
-    # before anything is written.
-    with pytest.raises(SmHookError, match=f"libfakecudart.so has no {JUMP_SLOT} relocation"):
+        install_sm_hook(library="libfakevllm_lazy", symbol="_Z8no_suchv", target=1)
+    # A library that makes no capability query (the fake runtime) is refused before anything
+    # is written.
+    refusal = ": NOT covered: no device-0 capability query" if HAVE_CAPSTONE else f" has no {JUMP_SLOT} relocation"
+    with pytest.raises(SmHookError, match=f"libfakecudart.so{refusal}"):
         install_sm_hook(library="libfakecudart")
 
 
