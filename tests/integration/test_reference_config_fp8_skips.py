@@ -12,31 +12,16 @@ from vllm_dualgpu.planner import ModelSpec, reference_config
 
 fp8 = pytest.importorskip("vllm.model_executor.layers.quantization.fp8")
 
-# Qwen3_5ForConditionalGeneration's mapper and fused layers, as vLLM declares them (the model
-# module itself needs torchvision, absent on CPU test machines): 0.30 qwen3_vl.py:1821-1827 and
-# 0.33 qwen3_vl.py:1969-1975 (Qwen3VLForConditionalGeneration.hf_to_vllm_mapper) | qwen3_5.py
-# {"mtp.": None}; packed_modules_mapping: qwen3_5.py "in_proj_ba": ["in_proj_b", "in_proj_a"].
-PREFIXES = {
-    "model.visual.": "visual.",
-    "lm_head.": "language_model.lm_head.",
-    "model.language_model.": "language_model.model.",
-    "mtp.": None,
-}
-PACKED = {
-    "qkv_proj": ["q_proj", "k_proj", "v_proj"],
-    "gate_up_proj": ["gate_proj", "up_proj"],
-    "in_proj_qkvz": ["in_proj_qkv", "in_proj_z"],
-    "in_proj_ba": ["in_proj_b", "in_proj_a"],
-}
 
-
-def _vllm_fp8_config():
-    from vllm.model_executor.models.utils import WeightsMapper
-
+@pytest.fixture
+def vllm_fp8(qwen3_5):
+    """vLLM's Fp8Config of the bundled config, as vLLM's loader prepares it for
+    Qwen3_5ForConditionalGeneration: names through its hf_to_vllm_mapper, its fused layers."""
     cfg = reference_config()
     qc = fp8.Fp8Config.from_config(cfg["quantization_config"])
-    qc.apply_vllm_mapper(WeightsMapper(orig_to_new_prefix=PREFIXES))
-    qc.packed_modules_mapping = dict(PACKED)
+    cls = qwen3_5.Qwen3_5ForConditionalGeneration
+    qc.apply_vllm_mapper(cls.hf_to_vllm_mapper.get_rename_mapper())
+    qc.packed_modules_mapping = dict(cls.packed_modules_mapping)
     return cfg, qc
 
 
@@ -47,8 +32,8 @@ def _skipped(qc, prefix: str) -> bool:
                             match_mode=qc.ignored_layers_match_mode)
 
 
-def test_vllm_skips_every_vision_linear():
-    cfg, qc = _vllm_fp8_config()
+def test_vllm_skips_every_vision_linear(vllm_fp8):
+    cfg, qc = vllm_fp8
     depth = cfg["vision_config"]["depth"]
     # vLLM's names (qwen3_vl.py Qwen3_VisionTransformer under prefix "visual")
     names = [f"visual.blocks.{i}.{s}" for i in range(depth)
@@ -57,8 +42,8 @@ def test_vllm_skips_every_vision_linear():
     assert [n for n in names if not _skipped(qc, n)] == []
 
 
-def test_vllm_skips_the_deltanet_ba_projection_and_quantizes_the_rest():
-    cfg, qc = _vllm_fp8_config()
+def test_vllm_skips_the_deltanet_ba_projection_and_quantizes_the_rest(vllm_fp8):
+    cfg, qc = vllm_fp8
     types = cfg["text_config"]["layer_types"]
     for i, t in enumerate(types):
         pfx = f"language_model.model.layers.{i}"
