@@ -3,15 +3,17 @@
 Prints, briefly: each visible GPU (name, capability, memory, bandwidth class), whether the native
 extension loads, which run-time patches would apply to the installed vLLM (a dry run of the
 registry: version range, target and parameters; nothing is changed), and which tuned kernel
-configs the package ships for each card. Works without GPUs and says so. Exit status 1 when
-something that should work here does not (the extension is missing, or a required patch would
-be skipped while GPUs are visible), else 0.
+configs the package ships for each card. Each failed check is followed by a ``fix:`` line with
+the command that fixes it. Exit status 1 when the dualgpu path cannot work on this machine (no
+NVIDIA driver or GPU, an unsupported vLLM, the extension missing, a required patch that would
+not apply), else 0.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -45,9 +47,9 @@ def gpu_lines(read=None) -> tuple[list[str], list]:
     try:
         gpus = read()
     except Exception as exc:  # no driver, no NVML, bad CUDA_VISIBLE_DEVICES
-        return [f"GPUs: none visible ({type(exc).__name__}: {exc})".rstrip()], []
+        return [f"GPUs: none visible ({type(exc).__name__}: {exc})".rstrip(), NO_GPU_FIX], []
     if not gpus:
-        return ["GPUs: none visible (NVML found no device)"], []
+        return ["GPUs: none visible (NVML found no device)", NO_GPU_FIX], []
     lines = ["GPUs (NVML; CUDA_VISIBLE_DEVICES order):"]
     for i, g in enumerate(gpus):
         major, minor = g.capability
@@ -56,7 +58,31 @@ def gpu_lines(read=None) -> tuple[list[str], list]:
             f"{g.total_bytes / GiB:.1f} GiB total, {g.free_bytes / GiB:.1f} GiB free, "
             f"{bandwidth_class(g.bandwidth_gbps)}"
         )
+    lines.append(f"  as plan --gpus local sees them: --gpus {plan_gpus_spec(gpus)!r}")
     return lines, gpus
+
+
+NO_GPU_FIX = (
+    "  fix: the dualgpu executor needs NVIDIA GPUs and their driver (nvidia-smi must list them); "
+    "here, plan for other cards with: vllm-dualgpu plan --gpus 'RTX 5090,RTX 4070 Ti SUPER'"
+)
+
+
+def plan_gpus_spec(gpus) -> str:
+    """These GPUs in ``--gpus`` syntax, with the reserve the executor keeps free on each: what
+    ``plan --gpus local`` plans for, to repeat on another machine."""
+    from vllm_dualgpu import envs
+    from vllm_dualgpu.nvml import to_gpu_facts
+
+    try:
+        reserves = envs.parse_reserve(os.environ.get(envs.RESERVE), len(gpus))
+    except ValueError:
+        reserves = [envs.DEFAULT_RESERVE_BYTES] * len(gpus)
+    mib = 1 << 20
+    return ",".join(
+        f"{f.name}:{f.total_bytes // mib}MiB:{f.free_bytes // mib}MiB:reserve={r // mib}MiB"
+        for f, r in zip(to_gpu_facts(gpus), reserves)
+    )
 
 
 def extension_lines() -> tuple[list[str], bool]:
@@ -66,8 +92,10 @@ def extension_lines() -> tuple[list[str], bool]:
         ext = importlib.import_module("vllm_dualgpu._C")
     except ImportError as exc:
         return [
-            f"Native extension: NOT importable ({exc}); reinstall vllm-dualgpu with a C++ "
-            "compiler present (no CUDA toolkit needed)"
+            f"Native extension: NOT importable ({exc})",
+            "  fix: reinstall with a C++ compiler present (no CUDA toolkit needed): "
+            "pip install --force-reinstall --no-deps --no-build-isolation vllm-dualgpu "
+            "(from a checkout: pip install --force-reinstall --no-deps --no-build-isolation .)",
         ], False
     hook = "with the sm hook" if hasattr(ext, "plt_hook") else "WITHOUT the sm hook (old build)"
     version = getattr(ext, "__version__", "?")
@@ -94,6 +122,7 @@ def patch_lines(version: str, patches=None) -> tuple[list[str], list]:
         "(dry run; worker patches act only under the dualgpu executor):"
     ]
     outcomes = []
+    broken_tv: list[str] = []
     width = max((len(p.name) for p in patches), default=0)
     for p in patches:
         try:
@@ -102,13 +131,37 @@ def patch_lines(version: str, patches=None) -> tuple[list[str], list]:
         except Exception as exc:  # a target module that fails to import in an unexpected way
             out, status, reason = None, "failed", f"check failed: {type(exc).__name__}: {exc}"
         outcomes.append((p, status))
+        if reason and TORCHVISION_BROKEN in reason:
+            broken_tv.append(p.name)
+            continue
+        if reason and TORCHVISION_ABSENT in reason:
+            _needs_torchvision.add(p.name)
+            reason = "needs torchvision, absent here (fine on a CPU-only machine): " + reason
         word = {READY: "applies", ALREADY: "applied"}.get(status, status)
         where = ",".join(p.processes)
         text = f"  {word:<8} {p.name:<{width}}  [{where}]"
         if reason:
             text += f"  {_one_line(reason)}"
         lines.append(text)
+    if broken_tv:
+        lines += [
+            f"  failed   {len(broken_tv)} patch{'es' if len(broken_tv) != 1 else ''} "
+            f"({', '.join(broken_tv)}): importing vLLM's model code fails with 'operator "
+            f"{TORCHVISION_BROKEN} does not exist' (torchvision, pulled in by vLLM, needs the CUDA "
+            "driver its build was made for)",
+            f"  fix: {TORCHVISION_FIX}",
+        ]
     return lines, outcomes
+
+
+TORCHVISION_BROKEN = "torchvision::nms"
+TORCHVISION_ABSENT = "No module named 'torchvision'"
+# patches whose target module needs torchvision, absent here (filled by patch_lines)
+_needs_torchvision: set[str] = set()
+TORCHVISION_FIX = (
+    "on a machine without an NVIDIA driver, pip uninstall -y torchvision torchaudio torchcodec "
+    "(vLLM runs without them; on a GPU machine, reinstall the torchvision build that matches torch)"
+)
 
 
 def _one_line(text: str, limit: int = 160) -> str:
@@ -158,18 +211,39 @@ def report() -> tuple[list[str], int]:
     if not supported:
         head += f" (the plugin supports {SUPPORTED_VLLM} and stays off with this one)"
     lines = [head]
-    problems = 0
+    problems = []
+    if not supported:
+        from vllm_dualgpu.support import unsupported_reason
+
+        lines.append(f"  fix: {unsupported_reason(version)}")
+        problems.append("vLLM")
 
     more, gpus = gpu_lines()
     lines += more
+    if not gpus:
+        problems.append("no GPU")
     more, ok = extension_lines()
     lines += more
-    problems += not ok
+    if not ok:
+        problems.append("extension")
     if version is not None:
+        _progress(f"vllm-dualgpu doctor: importing vLLM {version} to check its patch targets (10-40 s) ...")
         more, outcomes = patch_lines(version)
         lines += more
-        if gpus and supported:
-            problems += sum(1 for p, s in outcomes if s in (SKIPPED, "failed") and not p.optional)
+        if supported:
+            bad = [p for p, s in outcomes if s in (SKIPPED, "failed") and not p.optional]
+            if not gpus:  # without a driver vllm.platforms.cuda (and torchvision) cannot import here
+                bad = [p for p in bad if not p.target.startswith("vllm.platforms.cuda:")
+                       and p.name not in _needs_torchvision]
+            bad = [p.name for p in bad]
+            if bad:
+                problems.append("patches")
+                if not any(line.startswith("  fix:") for line in more):
+                    lines.append(
+                        f"  fix: {', '.join(bad)} would not apply to this vLLM build: install a "
+                        "release the registry was checked against (python -m pip install "
+                        "'vllm==0.30.0'), or report the line above"
+                    )
         if not gpus:
             lines.append(
                 "  (without a CUDA driver, patches of vllm.platforms.cuda cannot be checked here)"
@@ -182,12 +256,22 @@ def report() -> tuple[list[str], int]:
         if gpus and supported:
             problems += sum(1 for f in findings if f.status == MISSING)
     lines += config_lines(gpus)
+    if problems:
+        lines.append(f"Result: the dualgpu path cannot work here ({', '.join(problems)}): see the fix: lines above")
+    else:
+        lines.append("Result: ready for --distributed-executor-backend dualgpu")
     return lines, (1 if problems else 0)
 
 
+def _progress(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
 def run(args) -> int:
-    # Patch checks import vLLM modules; keep their log lines out of the report.
+    # Patch checks import vLLM modules; keep their log lines (and transformers' notes about
+    # optional image backends, triggered by those imports) out of the report.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     lines, status = report()
     print("\n".join(lines))
     return status

@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -186,14 +187,14 @@ def _with_default_reserves(gpus, spec: str | None):
         defaults = envs.parse_reserve(os.environ.get(envs.RESERVE), len(gpus))
     except ValueError as e:
         raise _Fail(str(e)) from None
-    entries = [e for e in spec.split(",") if e.strip()] if spec else [""] * len(gpus)
+    entries = spec.split(",") if spec else [""] * len(gpus)
     return [g if "reserve=" in entry else replace(g, reserve_bytes=r)
             for g, entry, r in zip(gpus, entries, defaults)]
 
 
 def _gpus(args, have_model: bool):
     gpus, notes = _gpus_as_given(args, have_model)
-    explicit = args.gpus if args.gpus and args.gpus.strip().lower() != "local" else None
+    explicit = args.gpus if args.gpus is not None and args.gpus.strip().lower() != "local" else None
     return _with_default_reserves(gpus, explicit), notes
 
 
@@ -201,9 +202,9 @@ def _gpus_as_given(args, have_model: bool):
     from vllm_dualgpu.planner import parse_gpus, reference_pair
 
     notes = []
-    if args.gpus and args.gpus.strip().lower() != "local":
+    if args.gpus is not None and args.gpus.strip().lower() != "local":
         return parse_gpus(args.gpus), notes
-    if args.gpus or have_model:
+    if args.gpus is not None or have_model:
         try:
             from vllm_dualgpu.nvml import read_visible_gpus, to_gpu_facts
 
@@ -219,15 +220,47 @@ def _gpus_as_given(args, have_model: bool):
 
 
 def _serve_command(model_arg: str, p, args) -> str:
-    parts = ["vllm serve", model_arg, f"--pipeline-parallel-size {len(p.partition)}", "--distributed-executor-backend dualgpu"]
+    """The ``vllm serve`` line that serves this plan: every argument given to ``plan`` that
+    changes it, in vLLM's spelling (``plan`` takes the same line back and plans the same)."""
+    q = shlex.quote
+    env = []
+    if "layer_partition" in p.overrides:
+        env.append(f"VLLM_PP_LAYER_PARTITION={p.overrides['layer_partition']}")
+    if args.objective != "pool":
+        env.append(f"VLLM_DUALGPU_OBJECTIVE={args.objective}")
+    parts = env + ["vllm serve", q(model_arg)]
+    if not p.passthrough:
+        parts += [f"--pipeline-parallel-size {len(p.partition)}", "--distributed-executor-backend dualgpu"]
     parts.append(f"--max-model-len {p.max_model_len}")
+    if args.quantization:
+        parts.append(f"--quantization {q(args.quantization)}")
+    if args.dtype != "auto":
+        parts.append(f"--dtype {q(args.dtype)}")
     if args.kv_cache_dtype != "auto":
-        parts.append(f"--kv-cache-dtype {args.kv_cache_dtype}")
+        parts.append(f"--kv-cache-dtype {q(args.kv_cache_dtype)}")
     if args.speculative_config:
         spec = {k: v for k, v in args.speculative_config.items() if k != "draft_config"}
-        parts.append(f"--speculative-config '{json.dumps(spec)}'")
-    if args.block_size:
-        parts.append(f"--block-size {args.block_size}")
+        parts.append(f"--speculative-config {q(json.dumps(spec))}")
+    for flag, value in (
+        ("--block-size", args.block_size),
+        ("--max-num-seqs", args.max_num_seqs),
+        ("--max-num-batched-tokens", args.max_num_batched_tokens),
+        ("--num-gpu-blocks-override", args.num_gpu_blocks_override),
+        ("--kv-cache-memory-bytes", args.kv_cache_memory_bytes),
+        ("--mamba-cache-mode", args.mamba_cache_mode),
+    ):
+        if value is not None:
+            parts.append(f"{flag} {q(str(value))}")
+    for flag, value in (("--mamba-cache-dtype", args.mamba_cache_dtype),
+                        ("--mamba-ssm-cache-dtype", args.mamba_ssm_cache_dtype)):
+        if value != "auto":
+            parts.append(f"{flag} {q(value)}")
+    if not args.enable_prefix_caching:
+        parts.append("--no-enable-prefix-caching")
+    if args.enforce_eager:
+        parts.append("--enforce-eager")
+    if args.language_model_only:
+        parts.append("--language-model-only")
     return " ".join(parts)
 
 
@@ -333,6 +366,8 @@ def run(args) -> int:
 
     try:
         p = P.plan(model, gpus, req)
+        if p.passthrough:  # one GPU or -pp 1: stock vLLM on the first GPU, which must hold it all
+            p = P.check_stock(model, gpus, req)
     except P.PlanError as e:
         if args.json:
             err = {"error": type(e).__name__, "message": str(e)}
@@ -372,4 +407,8 @@ def run(args) -> int:
         print("Serve it with the dualgpu executor, which applies this GPU order, split and memory plan:")
         print(f"  {command}")
         print(f"(by hand: CUDA_VISIBLE_DEVICES={p.cuda_visible_devices()} VLLM_PP_LAYER_PARTITION={p.partition_env()})")
+    else:
+        print()
+        print("Serve it as stock vLLM (one GPU):")
+        print(f"  {command}")
     return 0

@@ -78,7 +78,12 @@ class DualGpuExecutor(MultiprocExecutor):
 
             # A dualgpu run does not start half-patched (required patches, interventions).
             plugin.ensure_for_dualgpu(frozenset({ENGINE}))
-            self.dualgpu = apply_plan(self.vllm_config)
+            try:
+                self.dualgpu = apply_plan(self.vllm_config)
+            except (ValueError, RuntimeError) as e:  # the plan's refusals (what fits, what to do)
+                # One ERROR line first: vLLM's "EngineCore failed to start" traceback follows.
+                logger.error("%s", e)
+                raise
             apply_flashinfer_autotune_policy(
                 self.vllm_config.kernel_config, [g.capability for g in self.dualgpu.gpus]
             )

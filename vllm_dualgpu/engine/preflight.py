@@ -28,7 +28,39 @@ AUX_RELAY_TEXT_ONLY_ARCHS = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 
 
 class PreflightError(ValueError):
-    pass
+    """A refusal of this package: the message says what was wrong and what to do."""
+
+
+def is_debug_logging() -> bool:
+    """vLLM's debug logging (VLLM_LOGGING_LEVEL=DEBUG): then refusals keep their traceback."""
+    return os.environ.get("VLLM_LOGGING_LEVEL", "INFO").strip().upper() == "DEBUG"
+
+
+def refuse(error: BaseException) -> None:
+    """Log ``error`` as one ERROR line, first, and keep its traceback off the terminal.
+
+    The caller re-raises, so ``LLM(...)`` users get the exception to catch. Left uncaught (as
+    in ``vllm serve``), Python's last step prints the traceback; a hook installed here prints
+    nothing more for this exception (the ERROR line said it all) unless vLLM's debug logging
+    is on. Every other exception goes to the hook that was there before.
+    """
+    import sys
+
+    logger.error("%s", error)
+    if is_debug_logging():
+        return
+    previous = sys.excepthook
+
+    def excepthook(exc_type, exc, tb):
+        seen, cause = set(), exc
+        while cause is not None and id(cause) not in seen:  # also when vLLM wrapped it
+            if cause is error:
+                return
+            seen.add(id(cause))
+            cause = cause.__cause__ or cause.__context__
+        previous(exc_type, exc, tb)
+
+    sys.excepthook = excepthook
 
 
 def num_hidden_layers(vllm_config) -> int:
@@ -83,6 +115,21 @@ def capture_settings(vllm_config, nvml_gpu_count: int | None = None) -> None:
         vllm_config.parallel_config.pipeline_parallel_size,
     )
     handoff.update_settings(vllm_config, reserve_bytes=sizes, user_partition=user_partition)
+
+
+def check_platform(parallel_config) -> None:
+    """The executor plans NVIDIA GPUs only; say so before any process starts (called when an
+    engine is about to start, not for a config built on its own)."""
+    from vllm.platforms import current_platform
+
+    from vllm_dualgpu.engine.executor import planning_applies
+
+    if planning_applies(parallel_config) is None and not current_platform.is_cuda():
+        raise PreflightError(
+            f"vllm-dualgpu: the dualgpu executor needs NVIDIA GPUs, but vLLM runs on its "
+            f"'{current_platform.device_name}' platform here. Use --distributed-executor-backend "
+            "mp on this machine."
+        )
 
 
 def _check_drafter(vllm_config) -> None:

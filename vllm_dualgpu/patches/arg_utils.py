@@ -37,7 +37,9 @@ def resolve_backend(value: object) -> object:
     known = (*STOCK_BACKENDS, BACKEND_NAME)
     close = difflib.get_close_matches(value, known, n=1)
     hint = f" Did you mean '{close[0]}'?" if close else ""
-    raise ValueError(
+    from vllm_dualgpu.engine.preflight import PreflightError
+
+    raise PreflightError(
         f"Unknown --distributed-executor-backend '{value}'.{hint} Choose one of "
         f"{', '.join(known)} ('{BACKEND_NAME}' comes from vllm-dualgpu), or give a "
         "module.Class path of an Executor subclass."
@@ -60,15 +62,44 @@ def remember_explicit_utilization(engine_args) -> None:
 def wrap_create_engine_config(original: Callable) -> Callable:
     @functools.wraps(original)
     def create_engine_config(self, usage_context=None, headless=False):
-        self.distributed_executor_backend = resolve_backend(self.distributed_executor_backend)
+        from vllm_dualgpu.engine import preflight
+
+        try:
+            self.distributed_executor_backend = resolve_backend(self.distributed_executor_backend)
+        except preflight.PreflightError as e:
+            preflight.refuse(e)
+            raise
         ours = getattr(self.distributed_executor_backend, "__name__", "") == "DualGpuExecutor"
         if ours:
             remember_explicit_utilization(self)
         config = original(self, usage_context, headless)
         if ours:
-            from vllm_dualgpu.engine import preflight
-
-            preflight.check(config, preflight.nvml_gpu_count())
+            try:
+                preflight.check(config, preflight.nvml_gpu_count())
+                if usage_context is not None:  # an engine starts (vllm serve, LLM(...))
+                    preflight.check_platform(config.parallel_config)
+            except ValueError as e:  # PreflightError, or a VLLM_DUALGPU_* / partition value
+                preflight.refuse(e)
+                raise
         return config
 
     return create_engine_config
+
+
+HELP_NOTE = (
+    " With vllm-dualgpu installed: 'dualgpu' runs pipeline parallelism over mismatched NVIDIA "
+    "GPUs, choosing the GPU order, layer split and KV pool (plan it first with "
+    "'vllm-dualgpu plan')."
+)
+
+
+def wrap_add_cli_args(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def add_cli_args(parser):
+        parser = original(parser)
+        action = getattr(parser, "_option_string_actions", {}).get("--distributed-executor-backend")
+        if action is not None and f"'{BACKEND_NAME}'" not in (action.help or ""):
+            action.help = (action.help or "").rstrip() + HELP_NOTE
+        return parser
+
+    return add_cli_args

@@ -551,6 +551,24 @@ PATCHES: tuple[Patch, ...] = (
         source_sha256="718f1a582b7ad787d3537bd3dcbe15ebad08962d472ef97d8f1b9177f00ab9f4",
         opt_out=TOOL_PARSER_FIXES,
     ),
+    # --- serve-time help and errors (issue #17) ---
+    Patch(
+        name="executor-help",
+        target="vllm.engine.arg_utils:EngineArgs.add_cli_args",
+        processes=(FRONTEND,),
+        vllm_versions=V030,
+        why=(
+            "vllm serve --help=distributed-executor-backend lists the backends vLLM knows and "
+            "not 'dualgpu', which only executor-by-name makes a valid value. The wrapper adds "
+            "one sentence to that argument's help; parsing is unchanged."
+        ),
+        upstream="none (vLLM has no registry of executor names for plugins)",
+        remove_when="vLLM lets plugins register executor backends by name (with their help)",
+        factory="vllm_dualgpu.patches.arg_utils:wrap_add_cli_args",
+        params=("parser",),
+        issue="#17",
+        optional=True,
+    ),
 )
 
 __all__ = ["ENGINE", "FRONTEND", "PATCHES", "WORKER"]

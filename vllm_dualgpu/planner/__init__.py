@@ -35,6 +35,7 @@ from vllm_dualgpu.planner.search import (
     PlanRequest,
     RankPlan,
     StockEstimate,
+    check_stock,
     even_partition,
     plan,
     stock_estimate,
@@ -54,6 +55,7 @@ def reference_config(name: str = "qwen3.8-27b") -> dict:
 
 __all__ = [
     "BadRequest",
+    "check_stock",
     "ContextTooLong",
     "DrafterSpec",
     "FormatResolver",

@@ -181,9 +181,12 @@ def parse_gpus(spec: str) -> list[GpuFacts]:
         H200:141GiB:16GiB,H200:141GiB:32GiB
     """
     out: list[GpuFacts] = []
-    entries = [e for e in spec.split(",") if e.strip()]
-    if not entries:
-        raise BadRequest("--gpus is empty; write e.g. 'RTX 4070 Ti SUPER:16GiB,RTX 5090:32GiB'")
+    entries = spec.split(",")
+    if not spec.strip():
+        raise BadRequest("--gpus is empty; write e.g. 'RTX 4070 Ti SUPER:16GiB,RTX 5090:32GiB', or --gpus local")
+    if any(not e.strip() for e in entries):
+        kept = ",".join(e.strip() for e in entries if e.strip())
+        raise BadRequest(f"--gpus {spec!r} has an empty entry; write one name per GPU, e.g. --gpus '{kept}'")
     for index, entry in enumerate(entries):
         parts = [p.strip() for p in entry.split(":")]
         name = parts[0]

@@ -51,6 +51,16 @@ _KV_DTYPE_BYTES = {
     "int8": 1,
 }
 
+# vLLM's CacheDType names (vllm/config/cache.py, 0.30-0.33) that the planner does not size:
+# --kv-cache-dtype with one of these is a request it cannot plan (exit 1), any other unknown
+# name a bad argument (exit 2).
+VLLM_CACHE_DTYPES = frozenset((
+    "fp8_ds_mla", "nvfp4_ds_mla", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc",
+    "turboquant_3bit_nc", "octave_k3v4", "octave_k3v3", "octave_k3v3_compact", "ultraquant_4bit",
+    "int4_per_token_head", "int8_per_token_head", "fp8_per_token_head",
+    "nvfp4", "nvfp4_4over6",
+))
+
 
 def dtype_bytes(kv_cache_dtype: str, model_dtype: str) -> int:
     """Bytes per element of a KV-cache dtype name (``"auto"`` means the model dtype)."""
@@ -60,10 +70,16 @@ def dtype_bytes(kv_cache_dtype: str, model_dtype: str) -> int:
     try:
         return _KV_DTYPE_BYTES[d]
     except KeyError:
+        pass
+    if (kv_cache_dtype or "").lower() in VLLM_CACHE_DTYPES:  # vLLM knows it; the planner cannot size it
         raise UnsupportedModel(
             f"the planner does not size --kv-cache-dtype {kv_cache_dtype!r}; use auto, bfloat16, "
             "float16 or fp8"
-        ) from None
+        )
+    raise BadRequest(
+        f"--kv-cache-dtype {kv_cache_dtype!r} is not a KV-cache dtype vLLM knows; write auto, "
+        "bfloat16, float16, fp8, fp8_e4m3 or fp8_e5m2"
+    )
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 from dataclasses import dataclass, field, replace
 
 from vllm_dualgpu.planner.errors import BadRequest, ContextTooLong, ModelDoesNotFit, PlanError
@@ -557,7 +558,9 @@ def _orders(gpus: list[GpuFacts], fixed: bool) -> list[tuple[int, ...]]:
     return [tuple(g.index for g in p) + (last.index,) for p in perms]
 
 
-def plan(model: ModelSpec, gpus: list[GpuFacts], request: PlanRequest | None = None) -> Plan:
+def plan(
+    model: ModelSpec, gpus: list[GpuFacts], request: PlanRequest | None = None, *, _check_stock: bool = False
+) -> Plan:
     """Plan GPU order, layer split and KV pool for ``model`` on ``gpus``.
 
     Raises :class:`ContextTooLong` (with the largest ``--max-model-len`` that fits),
@@ -578,7 +581,7 @@ def plan(model: ModelSpec, gpus: list[GpuFacts], request: PlanRequest | None = N
     notes: list[str] = []
     L = model.num_layers
 
-    if request.pp_size == 1 or len(gpus) == 1:
+    if (request.pp_size == 1 or len(gpus) == 1) and not _check_stock:
         return _passthrough(model, gpus, request)
     if request.pp_size > len(gpus):
         raise BadRequest(
@@ -593,7 +596,7 @@ def plan(model: ModelSpec, gpus: list[GpuFacts], request: PlanRequest | None = N
     if max_len is not None and max_len != -1:
         if max_len < 1:
             raise BadRequest("--max-model-len must be positive (or -1 / auto)")
-        if max_len > model.max_position_embeddings:
+        if max_len > model.max_position_embeddings and not allow_long_max_model_len():
             raise BadRequest(
                 f"--max-model-len {max_len:,} is larger than the model's maximum "
                 f"({model.max_position_embeddings:,}); vLLM refuses it unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"
@@ -655,7 +658,8 @@ def plan(model: ModelSpec, gpus: list[GpuFacts], request: PlanRequest | None = N
             what=what,
             shortfalls=shorts,
         )
-    cap = model.max_position_embeddings
+    # vLLM caps --max-model-len at the model's maximum unless VLLM_ALLOW_LONG_MAX_MODEL_LEN is set
+    cap = model.max_position_embeddings if not allow_long_max_model_len() else max(c.max_ctx for c in fitting)
     if target is not None:
         feasible = [c for c in fitting if c.max_ctx >= target]
         if not feasible:
@@ -668,7 +672,34 @@ def plan(model: ModelSpec, gpus: list[GpuFacts], request: PlanRequest | None = N
         feasible = fitting
     chosen = _select(feasible, request.objective, auto_fit)
     final_len = target if target is not None else min(chosen.max_ctx, cap)
+    if auto_fit and request.decode_context_tokens is None:
+        decode_tokens = final_len  # predict decode at the context it fitted, not the model's maximum
     return _make_plan(ctx, chosen, final_len, decode_tokens, overrides, notes, len(cands), auto_fit)
+
+
+def check_stock(model: ModelSpec, gpus: list[GpuFacts], request: PlanRequest | None = None) -> Plan:
+    """The plan for a stock run (one GPU, or ``pp_size=1``: vLLM uses the first GPU), checked
+    as :func:`plan` checks a split: raises :class:`ModelDoesNotFit` or :class:`ContextTooLong`
+    (with the largest ``--max-model-len`` that fits) where :func:`plan` would only report
+    informative numbers. ``vllm-dualgpu plan`` uses it; the executor does not (a stock run is
+    never refused by this package)."""
+    request = request or PlanRequest()
+    if not gpus:
+        raise BadRequest("no GPUs to plan for")
+    gpu = min(gpus, key=lambda g: g.index)
+    req1 = replace(request, pp_size=1, layer_partition=None, gpu_order=None)
+    p = plan(model, [gpu], req1, _check_stock=True)
+    why = "pipeline_parallel_size=1" if request.pp_size == 1 else "one GPU"
+    p.notes.insert(0, f"{why}: vLLM runs as stock (no GPU order, split or memory changes)")
+    p.passthrough = True
+    p.request = request
+    return p
+
+
+def allow_long_max_model_len() -> bool:
+    """vLLM's ``VLLM_ALLOW_LONG_MAX_MODEL_LEN`` (vllm/envs.py: '1' or 'true'): a --max-model-len
+    above the model's maximum is then accepted with a warning."""
+    return os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").strip().lower() in ("1", "true")
 
 
 def _make_plan(ctx: _Context, c: _Candidate, max_model_len: int, decode_tokens: int, overrides, notes, n, auto_fit) -> Plan:

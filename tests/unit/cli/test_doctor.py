@@ -154,7 +154,7 @@ def test_doctor_without_gpus_prints_a_short_report(monkeypatch, capsys):
     import vllm_dualgpu.nvml
 
     monkeypatch.setattr(vllm_dualgpu.nvml, "read_visible_gpus", no_nvml)
-    assert main(["doctor"]) == 0
+    assert main(["doctor"]) == 1  # the dualgpu path cannot work without GPUs (issue 17)
     out, err = capsys.readouterr()
     assert "Traceback" not in out + err
     assert "GPUs: none visible" in out

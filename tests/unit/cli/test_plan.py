@@ -143,12 +143,15 @@ def test_model_that_does_not_fit_names_the_rank(capsys):
 
 
 def test_pp1_and_one_gpu_run_as_stock(capsys):
-    rc, out, _ = run_cli(capsys, "-pp", "1")
+    rc, out, _ = run_cli(capsys, "-pp", "1", "--gpus", "H200,RTX 5090")
     assert rc == 0 and "pipeline_parallel_size=1: vLLM runs as stock" in out
     assert "VLLM_PP_LAYER_PARTITION" not in out
-    rc, out, _ = run_cli(capsys, "--gpus", "RTX 5090", "--json")
+    rc, out, _ = run_cli(capsys, "--gpus", "H200", "--json")
     d = json.loads(out)
     assert rc == 0 and d["plan"]["passthrough"] is True and d["plan"]["partition_env"] is None
+    # stock on the reference pair puts everything on GPU 0, the 5090: not the 262,144 tokens
+    rc, _, err = run_cli(capsys, "-pp", "1")
+    assert rc == 1 and "--max-model-len 262,144 does not fit" in err
 
 
 def test_overrides_from_flags_and_environment(capsys, monkeypatch):
