@@ -41,7 +41,7 @@ setup(
         "vllm_dualgpu.kernel_configs": ["*.json", "README.md"],
         "vllm_dualgpu.planner": ["reference/*.json"],
     },
-    install_requires=["vllm==0.30.0", "nvidia-ml-py>=12"],
+    install_requires=["vllm==0.30.0", "nvidia-ml-py>=12", "capstone>=5"],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2"],
         # benchmarks/: tables and plots of the GPU measurements

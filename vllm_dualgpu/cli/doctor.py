@@ -227,6 +227,17 @@ def report() -> tuple[list[str], int]:
     if not ok:
         problems.append("extension")
     if version is not None:
+        from vllm_dualgpu.kernels.sm_hook import coverage_report
+
+        hook = coverage_report()
+        lines.append(f"  {hook}")
+        if hook.startswith("sm hook: NOT covered"):
+            lines.append("  fix: this vLLM's kernels would dispatch for GPU 0 on every rank; report it "
+                         "with the line above (the hook's slots: docs/sm-hook.md)")
+            problems.append("sm hook")
+        elif "coverage unknown" in hook and "capstone" in hook:
+            lines.append("  fix: python -m pip install capstone")
+    if version is not None:
         _progress(f"vllm-dualgpu doctor: importing vLLM {version} to check its patch targets (10-40 s) ...")
         more, outcomes = patch_lines(version)
         lines += more

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from vllm_dualgpu import envs
-from vllm_dualgpu.engine import handoff, rank_summary
+from vllm_dualgpu import rank_summary
+from vllm_dualgpu.engine import handoff
 from vllm_dualgpu.engine import worker as w
 
 GiB = 1024**3
