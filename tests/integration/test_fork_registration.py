@@ -64,7 +64,8 @@ def test_worker_class_ensures_patches_before_vllm_builds_it(monkeypatch):
     from vllm_dualgpu.engine.worker import DualGpuWorker
 
     calls = []
-    monkeypatch.setattr(plugin, "ensure", lambda kinds: calls.append(("ensure", set(kinds))))
+    # A dualgpu worker refuses to start half-patched: the checked form of ensure().
+    monkeypatch.setattr(plugin, "ensure_for_dualgpu", lambda kinds: calls.append(("ensure", set(kinds))))
     monkeypatch.setattr(Worker, "__init__", lambda self, *a, **k: calls.append(("init", a, k)))
     DualGpuWorker("cfg", local_rank=1, rank=1)
     assert calls == [("ensure", {"worker"}), ("init", ("cfg",), {"local_rank": 1, "rank": 1})]

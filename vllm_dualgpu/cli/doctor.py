@@ -265,7 +265,8 @@ def report() -> tuple[list[str], int]:
         more, findings = doctor_lines(version)
         lines += more
         if gpus and supported:
-            problems += sum(1 for f in findings if f.status == MISSING)
+            if any(f.status == MISSING for f in findings):
+                problems.append("interventions")
     lines += config_lines(gpus)
     if problems:
         lines.append(f"Result: the dualgpu path cannot work here ({', '.join(problems)}): see the fix: lines above")
