@@ -36,7 +36,8 @@ class Patch:
     processes: tuple[str, ...]
     """Where it applies: ``frontend``, ``engine``, ``worker``."""
     vllm_versions: str
-    """PEP 440 specifier of the vLLM releases whose target this patch was written against."""
+    """PEP 440 specifier of the vLLM releases whose target this patch was written against
+    (``A || B``: either; the refusal outside the supported range uses it)."""
     why: str
     upstream: str
     remove_when: str
@@ -55,6 +56,9 @@ class Patch:
     """For a patch that mirrors the target's code instead of calling it: the digest of the
     target's source it was written against (:func:`source_check.function_digest`); any other
     source is refused."""
+    fixed_in: str = ""
+    """The vLLM release that fixed the problem upstream (the range ends there), with what it
+    changed, e.g. ``"0.31.0: DFlashQwen3Model builds ... (models/qwen3_dflash.py)"``."""
 
     @property
     def module(self) -> str:
@@ -122,10 +126,11 @@ def _load_factory(spec: str) -> Callable[[Callable], Callable]:
 
 
 def version_in_range(version: str, spec: str) -> bool:
+    """Whether ``version`` matches the PEP 440 specifier ``spec``, or any of ``A || B``."""
     from packaging.specifiers import SpecifierSet
     from packaging.version import Version
 
-    return Version(version) in SpecifierSet(spec)
+    return any(Version(version) in SpecifierSet(part.strip()) for part in spec.split("||"))
 
 
 @dataclass
