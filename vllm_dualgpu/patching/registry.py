@@ -298,6 +298,26 @@ PATCHES: tuple[Patch, ...] = (
         issue="#6",
     ),
     Patch(
+        name="kv-groups-know-ranks-033",
+        target="vllm.v1.core.kv_cache_planning:get_kv_cache_configs",
+        processes=(ENGINE,),
+        vllm_versions=V033,
+        why=(
+            "kv-groups-know-ranks for vLLM 0.33, which moved KV planning to kv_cache_planning.py "
+            "and groups the model in EngineCore (get_global_kv_cache_groups, v1/engine/core.py:"
+            "292) before it measures memory (:310), passing the groups in as a 4th argument "
+            "(:321). Under dualgpu with PP > 1 the groups are formed again by vLLM's "
+            "get_global_kv_cache_groups with each rank's layers and memory known for the "
+            "duration (so the grouping below can choose), and vLLM's planning runs with them."
+        ),
+        upstream="none",
+        remove_when="kv-groups-without-padding-033 goes",
+        factory="vllm_dualgpu.patches.kv_cache_utils:wrap_get_kv_cache_configs_global_groups",
+        params=("vllm_config", "kv_cache_specs", "available_memory", "global_kv_cache_groups"),
+        copies=("vllm.v1.engine.core",),
+        issue="#6",
+    ),
+    Patch(
         name="kv-groups-without-padding",
         target="vllm.v1.core.kv_cache_utils:_get_kv_cache_groups_uniform_page_size",
         processes=(ENGINE,),
@@ -319,6 +339,24 @@ PATCHES: tuple[Patch, ...] = (
         issue="#6",
     ),
     Patch(
+        name="kv-groups-without-padding-033",
+        target="vllm.v1.core.kv_cache_planning:_get_kv_cache_groups_uniform_page_size",
+        processes=(ENGINE,),
+        vllm_versions=V033,
+        why=(
+            "kv-groups-without-padding for vLLM 0.33 (the function moved to "
+            "kv_cache_planning.py:416; get_kv_cache_groups still calls it as a module global "
+            "when the layout does not pack mixed page sizes block-outermost, "
+            "_get_packed_kv_cache_groups). The estimators it measures with take the platform's "
+            "KV config builder first there."
+        ),
+        upstream="none known",
+        remove_when="vLLM groups hybrid KV caches per PP rank without padding",
+        factory="vllm_dualgpu.patches.kv_cache_utils:wrap_get_kv_cache_groups_uniform_page_size",
+        params=("kv_cache_spec",),
+        issue="#6",
+    ),
+    Patch(
         name="kv-drafter-pages-promoted",
         target="vllm.v1.core.kv_cache_utils:unify_kv_cache_spec_page_size",
         processes=(ENGINE,),
@@ -332,6 +370,21 @@ PATCHES: tuple[Patch, ...] = (
             "kv-groups-know-ranks) the drafter's block size becomes common page / per-token "
             "page when that is a multiple of its kernel alignment, so no page is padded; "
             "otherwise a warning names a --block-size that would allow it."
+        ),
+        upstream="none known",
+        remove_when="vLLM sizes drafter blocks to the hybrid model's page",
+        factory="vllm_dualgpu.patches.kv_cache_utils:wrap_unify_kv_cache_spec_page_size",
+        params=("kv_cache_spec",),
+        issue="#6",
+    ),
+    Patch(
+        name="kv-drafter-pages-promoted-033",
+        target="vllm.v1.core.kv_cache_planning:unify_kv_cache_spec_page_size",
+        processes=(ENGINE,),
+        vllm_versions=V033,
+        why=(
+            "kv-drafter-pages-promoted for vLLM 0.33 (the function moved to "
+            "kv_cache_planning.py:346 and is called as a module global by get_kv_cache_groups)."
         ),
         upstream="none known",
         remove_when="vLLM sizes drafter blocks to the hybrid model's page",
