@@ -63,7 +63,9 @@ def ensure(kinds: frozenset[str]) -> list[Outcome]:
             _state["outcomes"] = (_state["outcomes"] or []) + guards
             return _state["outcomes"]
         active = dualgpu_active()
-        outcomes = [apply_patch(p, version) for p in select_patches(new, active)]
+        # Entries for other releases (another API of the same fix) are not this run's business.
+        outcomes = [apply_patch(p, version) for p in select_patches(new, active)
+                    if version_in_range(version, p.vllm_versions)]
         _state["outcomes"] = (_state["outcomes"] or []) + outcomes
         if new == {DEVICE}:
             _note_device_phase(outcomes)

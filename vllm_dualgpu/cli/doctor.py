@@ -169,7 +169,8 @@ def report() -> tuple[list[str], int]:
         more, outcomes = patch_lines(version)
         lines += more
         if gpus and supported:
-            problems += sum(1 for p, s in outcomes if s in (SKIPPED, "failed") and not p.optional)
+            problems += sum(1 for p, s in outcomes if s in (SKIPPED, "failed") and not p.optional
+                            and version_in_range(version, p.vllm_versions))  # not other releases' entries
         if not gpus:
             lines.append(
                 "  (without a CUDA driver, patches of vllm.platforms.cuda cannot be checked here)"

@@ -28,10 +28,14 @@ def unsupported(vllm_version, monkeypatch, tmp_path):
     from vllm_dualgpu import support
     from vllm_dualgpu.patching.core import APPLIED, apply_patch, revert_patch
 
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.plugins import load_general_plugins
+
+    # The plugin runs in this process (for the supported vLLM) before the method is swapped, so
+    # it cannot wrap the guard; then vLLM's own method stands in for the unsupported release's.
+    load_general_plugins()
     monkeypatch.setattr(support, "installed_vllm_version", lambda: "0.34.0")
     patch = entry(NAME)
-    # Beneath any executor-by-name already applied: take vLLM's own method as the plugin would.
-    from vllm.engine.arg_utils import EngineArgs
 
     own = getattr(EngineArgs.create_engine_config, "__wrapped__", EngineArgs.create_engine_config)
     monkeypatch.setattr(EngineArgs, "create_engine_config", own)
