@@ -25,7 +25,7 @@ setup(
     long_description=open("README.md").read(),
     long_description_content_type="text/markdown",
     license="Apache-2.0",
-    python_requires=">=3.10",
+    python_requires=">=3.10",  # as vLLM 0.30/0.31; 0.32+ need 3.11 (markers below)
     packages=[
         "vllm_dualgpu",
         "vllm_dualgpu.patches",
@@ -41,7 +41,14 @@ setup(
         "vllm_dualgpu.kernel_configs": ["*.json", "README.md"],
         "vllm_dualgpu.planner": ["reference/*.json"],
     },
-    install_requires=["vllm==0.30.0", "nvidia-ml-py>=12", "capstone>=5"],
+    # One range (vllm_dualgpu/_version.py SUPPORTED_VLLM): a supported vLLM already installed
+    # stays; a fresh install gets the newest the Python allows (0.32+ require Python >= 3.11).
+    install_requires=[
+        f"vllm{version['SUPPORTED_VLLM']}; python_version >= '3.11'",
+        "vllm>=0.30.0,<0.32; python_version < '3.11'",
+        "nvidia-ml-py>=12",
+        "capstone>=5",
+    ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2"],
         # benchmarks/: tables and plots of the GPU measurements

@@ -6,7 +6,8 @@ import importlib.metadata
 import os
 import threading
 
-from vllm_dualgpu._version import SUPPORTED_VLLM, __version__
+from vllm_dualgpu._version import __version__
+from vllm_dualgpu import support
 from vllm_dualgpu.log import logger
 from vllm_dualgpu.patching.core import ALREADY, APPLIED, Outcome, apply_patch, opted_out, version_in_range
 from vllm_dualgpu.process import DEVICE, WORKER, current_process_kinds, dualgpu_active, process_label
@@ -53,15 +54,14 @@ def ensure(kinds: frozenset[str]) -> list[Outcome]:
         _state["kinds"] = _state["kinds"] | new
         where = process_label(_state["kinds"])
         version = installed_vllm_version()
-        if not version_in_range(version, SUPPORTED_VLLM):
+        reason = support.unsupported_reason(version)
+        if reason:
             if _state["outcomes"] is None:
-                logger.warning(
-                    "vllm-dualgpu %s supports vLLM %s, found %s: no patches applied and the "
-                    "'dualgpu' executor is unavailable in this process (%s). Install a "
-                    "vllm-dualgpu release made for vLLM %s, or vllm==0.30.0.",
-                    __version__, SUPPORTED_VLLM, version, where, version,
-                )
-            _state["outcomes"] = []
+                logger.warning("%s; the plugin stays off in this process (%s)", reason, where)
+            # Only the guard that refuses the dualgpu backend with that message applies here.
+            guards = [apply_patch(p, version) for p in select_patches(new, True)
+                      if version_in_range(version, p.vllm_versions)]
+            _state["outcomes"] = (_state["outcomes"] or []) + guards
             return _state["outcomes"]
         active = dualgpu_active()
         # An entry whose range leaves this vLLM out is for other releases: not applied, not

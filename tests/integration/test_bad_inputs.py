@@ -195,12 +195,14 @@ def test_20_unsupported_vllm_version_patches_nothing(monkeypatch, caplog):
     plugin._reset_for_tests()
     caplog.set_level(logging.WARNING, logger="vllm.dualgpu")
     logging.getLogger("vllm.dualgpu").propagate = True
-    monkeypatch.setattr(plugin, "installed_vllm_version", lambda: "0.31.0")
+    monkeypatch.setattr(plugin, "installed_vllm_version", lambda: "0.29.0")
     try:
-        assert plugin.register() == []
+        outcomes = plugin.ensure(frozenset({"engine"}))
     finally:
         plugin._reset_for_tests()
-    assert any("found 0.31.0: no patches applied" in r.getMessage() for r in caplog.records)
+    assert outcomes == []  # the guard is for the front end only
+    assert any("found 0.29.0" in r.getMessage() and "stays off" in r.getMessage()
+               for r in caplog.records)
 
 
 def test_21_worker_with_no_room_left():

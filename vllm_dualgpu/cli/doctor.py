@@ -242,7 +242,8 @@ def report() -> tuple[list[str], int]:
         more, outcomes = patch_lines(version)
         lines += more
         if supported:
-            bad = [p for p, s in outcomes if s in (SKIPPED, "failed") and not p.optional]
+            bad = [p for p, s in outcomes if s in (SKIPPED, "failed") and not p.optional
+                   and version_in_range(version, p.vllm_versions)]  # not other releases' entries
             if not gpus:  # without a driver vllm.platforms.cuda (and torchvision) cannot import here
                 bad = [p for p in bad if not p.target.startswith("vllm.platforms.cuda:")
                        and p.name not in _needs_torchvision]
@@ -253,7 +254,7 @@ def report() -> tuple[list[str], int]:
                     lines.append(
                         f"  fix: {', '.join(bad)} would not apply to this vLLM build: install a "
                         "release the registry was checked against (python -m pip install "
-                        "'vllm==0.30.0'), or report the line above"
+                        "'vllm==0.33.0'), or report the line above"
                     )
         if not gpus:
             lines.append(

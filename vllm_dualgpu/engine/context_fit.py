@@ -7,8 +7,6 @@ on every rank and reports the largest ``--max-model-len`` that fits all of them.
 
 from __future__ import annotations
 
-import copy
-
 GiB = 1024**3
 
 
@@ -19,21 +17,23 @@ class ContextDoesNotFit(ValueError):
 
 
 def per_rank_max_len(vllm_config, kv_cache_specs, available: list[int]) -> list[int | None]:
-    """vLLM's estimate of the longest request each rank's KV budget holds (None: no KV)."""
-    from vllm.v1.core import kv_cache_utils as k
+    """vLLM's estimate of the longest request each rank's KV budget holds (None: no KV).
 
-    merged: dict = {}
-    for specs in kv_cache_specs:
-        merged.update(copy.deepcopy(specs))
-    groups = k.get_kv_cache_groups(vllm_config, merged)
+    The groups are vLLM's for the whole model; each release's estimators are called through
+    :mod:`vllm_dualgpu.patches.kv_cache_utils` (0.32 changed the block-size helper, 0.33 moved
+    them to ``kv_cache_planning`` behind the platform's KV config builder).
+    """
+    from vllm_dualgpu.patches import kv_cache_utils as kv
+
+    groups = kv.model_kv_cache_groups(vllm_config, kv_cache_specs)
     out: list[int | None] = []
     for specs, mem in zip(kv_cache_specs, available):
-        projected = k._project_kv_cache_groups_to_worker(groups, specs)
+        projected = kv.project_groups(groups, specs)
         if not projected:
             out.append(None)
             continue
-        usable = mem - k._pool_bytes_per_block(projected)  # the null block
-        out.append(k._estimate_max_model_len_from_groups(vllm_config, projected, max(usable, 0)))
+        usable = mem - kv.pool_bytes_per_block(vllm_config, projected)  # the null block
+        out.append(kv.estimate_max_model_len(vllm_config, projected, max(usable, 0)))
     return out
 
 

@@ -103,3 +103,24 @@ def wrap_add_cli_args(original: Callable) -> Callable:
         return parser
 
     return add_cli_args
+
+
+def wrap_create_engine_config_unsupported(original: Callable) -> Callable:
+    """On a vLLM outside the supported range: refuse 'dualgpu' with the support message."""
+
+    @functools.wraps(original)
+    def create_engine_config(self, usage_context=None, headless=False):
+        backend = self.distributed_executor_backend
+        if backend == BACKEND_NAME or getattr(backend, "__name__", "") == "DualGpuExecutor":
+            from vllm_dualgpu.support import unsupported_reason
+
+            reason = unsupported_reason()
+            if reason:
+                from vllm_dualgpu.engine import preflight
+
+                error = preflight.PreflightError(f"--distributed-executor-backend {BACKEND_NAME}: {reason}")
+                preflight.refuse(error)
+                raise error
+        return original(self, usage_context, headless)
+
+    return create_engine_config

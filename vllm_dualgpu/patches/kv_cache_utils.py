@@ -23,6 +23,19 @@ shares the target's attention spec) keeps vLLM's grouping, since nothing beats i
 Before the grouping, ``unify_kv_cache_spec_page_size`` gives every layer one page size; under
 the same condition a drafter's attention block is resized to the hybrid model's page (see the
 section at the end of this file).
+
+vLLM 0.33 moved KV planning to ``vllm.v1.core.kv_cache_planning``: EngineCore groups the whole
+model (``get_global_kv_cache_groups``) BEFORE it measures memory, passes the groups to
+``get_kv_cache_configs`` as a 4th argument, and the estimators take the platform's
+``KVCacheConfigBuilder`` first. The 0.33 entries therefore regroup inside
+``get_kv_cache_configs``, once every rank's memory is known, with vLLM's own
+``get_global_kv_cache_groups`` (so the drafter tagging and checks stay vLLM's), and the helpers
+below call each release's estimators. 0.33's experimental pluggable builder
+(``Platform.get_kv_cache_config_builder_cls``, vLLM PR #53558) is not used: its grouping hook
+runs before memory is measured and sees neither ranks nor memory, a plugin can only select a
+builder by patching the platform's classmethod, and overriding ``get_kv_cache_groups`` would mean
+mirroring vLLM's private grouping code (HiSparse, packed groups, hidden-state layers) instead of
+wrapping two functions.
 """
 
 from __future__ import annotations
@@ -39,6 +52,70 @@ from vllm_dualgpu.log import logger
 from vllm_dualgpu.patches.spec_common import is_dualgpu_pp
 
 
+def planning_module():
+    """vLLM's module holding KV planning: kv_cache_planning from 0.33, kv_cache_utils before."""
+    try:
+        from vllm.v1.core import kv_cache_planning as module
+    except ImportError:
+        from vllm.v1.core import kv_cache_utils as module
+    return module
+
+
+def _estimator_args(vllm_config) -> tuple:
+    """The leading arguments of vLLM's estimators: 0.33 takes the platform's builder first."""
+    module = planning_module()
+    if module.__name__.endswith("kv_cache_planning"):
+        from vllm.v1.core.kv_cache_config_builder import get_kv_cache_config_builder
+
+        return (get_kv_cache_config_builder(vllm_config), vllm_config)
+    return (vllm_config,)
+
+
+def project_groups(kv_cache_groups: list, worker_spec: dict) -> list:
+    """vLLM's projection of the model's groups onto one rank's layers."""
+    return planning_module()._project_kv_cache_groups_to_worker(kv_cache_groups, worker_spec)
+
+
+def max_memory_usage_bytes(vllm_config, kv_cache_groups: list) -> int:
+    """vLLM's KV bytes for one max_model_len request on these (projected) groups."""
+    return planning_module()._max_memory_usage_bytes_from_groups(
+        *_estimator_args(vllm_config), kv_cache_groups)
+
+
+def estimate_max_model_len(vllm_config, kv_cache_groups: list, available: int) -> int:
+    """vLLM's longest request that ``available`` bytes of KV memory hold on these groups."""
+    return planning_module()._estimate_max_model_len_from_groups(
+        *_estimator_args(vllm_config), kv_cache_groups, available)
+
+
+def pool_bytes_per_block(vllm_config, kv_cache_groups: list) -> int:
+    """Bytes one block takes in a rank's pool (vLLM's null-block reservation), per release:
+    ``(groups)`` in 0.30/0.31, ``(vllm_config, groups)`` in 0.32, through the builder in 0.33."""
+    import inspect
+
+    module = planning_module()
+    if hasattr(module, "_pool_bytes_per_block_from_builder"):
+        return module._pool_bytes_per_block_from_builder(*_estimator_args(vllm_config),
+                                                          kv_cache_groups)
+    if "vllm_config" in inspect.signature(module._pool_bytes_per_block).parameters:
+        return module._pool_bytes_per_block(vllm_config, kv_cache_groups)
+    return module._pool_bytes_per_block(kv_cache_groups)
+
+
+def model_kv_cache_groups(vllm_config, kv_cache_specs: list) -> list:
+    """The whole model's groups as vLLM forms them from every rank's specs (a copy is merged)."""
+    import copy
+
+    module = planning_module()
+    specs = [copy.deepcopy(s) for s in kv_cache_specs]
+    if hasattr(module, "get_global_kv_cache_groups"):
+        return module.get_global_kv_cache_groups(vllm_config, specs)
+    merged: dict = {}
+    for s in specs:
+        merged.update(s)
+    return module.get_kv_cache_groups(vllm_config, merged)
+
+
 @dataclass(frozen=True)
 class _Workers:
     vllm_config: object
@@ -49,6 +126,16 @@ class _Workers:
 _WORKERS: contextvars.ContextVar[_Workers | None] = contextvars.ContextVar(
     "vllm_dualgpu_kv_workers", default=None
 )
+
+
+def kv_cache_configs(vllm_config, kv_cache_specs: list, available_memory: list) -> list:
+    """vLLM's per-rank KV cache configs, called as EngineCore calls them in this release (0.33
+    forms the model's groups first and passes them in)."""
+    module = planning_module()
+    if hasattr(module, "get_global_kv_cache_groups"):
+        groups = module.get_global_kv_cache_groups(vllm_config, kv_cache_specs)
+        return module.get_kv_cache_configs(vllm_config, kv_cache_specs, available_memory, groups)
+    return module.get_kv_cache_configs(vllm_config, kv_cache_specs, available_memory)
 
 
 def wrap_get_kv_cache_configs(original: Callable) -> Callable:
@@ -63,6 +150,29 @@ def wrap_get_kv_cache_configs(original: Callable) -> Callable:
             return original(vllm_config, kv_cache_specs, available_memory)
         finally:
             _WORKERS.reset(token)
+
+    return get_kv_cache_configs
+
+
+def wrap_get_kv_cache_configs_global_groups(original: Callable) -> Callable:
+    """vLLM 0.33+: the groups come in, formed before memory was measured; under dualgpu with
+    PP > 1 they are formed again by vLLM's get_global_kv_cache_groups with every rank's layers
+    and memory known (the grouping patches below act then), and vLLM plans with those."""
+
+    @functools.wraps(original)
+    def get_kv_cache_configs(vllm_config, kv_cache_specs, available_memory, global_kv_cache_groups):
+        if not is_dualgpu_pp(vllm_config) or len(kv_cache_specs) < 2:
+            return original(vllm_config, kv_cache_specs, available_memory, global_kv_cache_groups)
+        from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups
+
+        token = _WORKERS.set(
+            _Workers(vllm_config, tuple(dict(s) for s in kv_cache_specs), tuple(available_memory))
+        )
+        try:
+            groups = get_global_kv_cache_groups(vllm_config, kv_cache_specs)
+        finally:
+            _WORKERS.reset(token)
+        return original(vllm_config, kv_cache_specs, available_memory, groups)
 
     return get_kv_cache_configs
 
@@ -107,21 +217,18 @@ def capped_grouping(buckets: list[list[str]], worker_layers: list[set], cap: int
 
 def grouping_cost(kv_cache_groups: list, workers: _Workers) -> float:
     """Share of the tightest rank's KV memory one max_model_len request needs (vLLM's measure)."""
-    from vllm.v1.core import kv_cache_utils as ku
-
     worst = 0.0
     for spec, memory in zip(workers.specs, workers.memory):
-        projected = ku._project_kv_cache_groups_to_worker(kv_cache_groups, spec)
+        projected = project_groups(kv_cache_groups, spec)
         if not any(g.layer_names for g in projected):
             continue
-        need = ku._max_memory_usage_bytes_from_groups(workers.vllm_config, projected)
+        need = max_memory_usage_bytes(workers.vllm_config, projected)
         worst = max(worst, need / max(memory, 1))
     return worst
 
 
 def choose_grouping(stock: list, kv_cache_spec: dict, workers: _Workers) -> list:
-    from vllm.v1.core.kv_cache_utils import create_kv_cache_group_specs
-
+    create_kv_cache_group_specs = planning_module().create_kv_cache_group_specs
     buckets = spec_buckets(kv_cache_spec)
     worker_layers = [set(s) for s in workers.specs]
     if any(not any(name in w for w in worker_layers) for b in buckets for name in b):

@@ -20,6 +20,10 @@ an attention layer asks vLLM's attention selector for the backend the model's at
 select (the arguments ``Attention.__init__`` passes, ``model_executor/layers/attention/
 attention.py:347``) and runs vLLM's own block-size code with it, so every stage reaches the
 same block size from the same model-wide facts. Other runs are unchanged.
+
+vLLM 0.31 renamed the finder to ``_find_non_ssm_backends`` (a list of the stage's distinct
+backends, empty for such a stage; 031 ``platforms/interface.py:665``, 033 ``:679``) and picks
+the preferred size of all of them; the 0.31+ entries answer ``[backend]`` there instead.
 """
 
 from __future__ import annotations
@@ -30,14 +34,19 @@ from collections.abc import Callable
 from vllm_dualgpu.patches.spec_common import is_dualgpu_pp
 
 
-def stage_needs_model_backend(cls, vllm_config) -> bool:
+#: vLLM's finder of the stage's attention backend, per release: (name, answer for a backend).
+SINGLE = ("_find_non_ssm_backend", lambda backend: backend)  # 0.30: one class or None
+PLURAL = ("_find_non_ssm_backends", lambda backend: [backend])  # 0.31+: a list, empty for none
+
+
+def stage_needs_model_backend(cls, vllm_config, finder=SINGLE) -> bool:
     """A dualgpu PP stage of a hybrid, non-MLA model that holds no non-SSM attention layer."""
     model_config = getattr(vllm_config, "model_config", None)
     if model_config is None or not is_dualgpu_pp(vllm_config):
         return False
     if not model_config.is_hybrid or model_config.use_mla:
         return False
-    return cls._find_non_ssm_backend(vllm_config) is None
+    return not getattr(cls, finder[0])(vllm_config)
 
 
 def model_attention_backend(vllm_config):
@@ -61,24 +70,35 @@ def model_attention_backend(vllm_config):
 
 
 @contextlib.contextmanager
-def _stage_backend(cls, backend):
-    """``cls._find_non_ssm_backend`` answers ``backend`` inside the block (this process only;
+def _stage_backend(cls, backend, finder=SINGLE):
+    """vLLM's finder on ``cls`` answers ``backend`` inside the block (this process only;
     workers call it once, while they start)."""
+    name, answer = finder
     missing = object()
-    saved = cls.__dict__.get("_find_non_ssm_backend", missing)
-    cls._find_non_ssm_backend = classmethod(lambda _cls, _cfg: backend)
+    saved = cls.__dict__.get(name, missing)
+    setattr(cls, name, classmethod(lambda _cls, _cfg: answer(backend)))
     try:
         yield
     finally:
         if saved is missing:
-            del cls._find_non_ssm_backend
+            delattr(cls, name)
         else:
-            cls._find_non_ssm_backend = saved
+            setattr(cls, name, saved)
 
 
 def wrap_update_block_size_for_backend(original: Callable) -> Callable:
+    """vLLM 0.30 (``_find_non_ssm_backend``)."""
+    return _wrap(original, SINGLE)
+
+
+def wrap_update_block_size_for_backends(original: Callable) -> Callable:
+    """vLLM 0.31+ (``_find_non_ssm_backends``)."""
+    return _wrap(original, PLURAL)
+
+
+def _wrap(original: Callable, finder) -> Callable:
     def update_block_size_for_backend(cls, vllm_config) -> None:
-        if not stage_needs_model_backend(cls, vllm_config):
+        if not stage_needs_model_backend(cls, vllm_config, finder):
             return original(cls, vllm_config)
         from vllm_dualgpu.log import logger
 
@@ -93,7 +113,7 @@ def wrap_update_block_size_for_backend(original: Callable) -> Callable:
                 "nothing). Pass --block-size with the other stages' value.", exc, cache.block_size)
             return original(cls, vllm_config)
         before = cache.block_size
-        with _stage_backend(cls, backend):
+        with _stage_backend(cls, backend, finder):
             original(cls, vllm_config)
         logger.info(
             "vllm-dualgpu: this pipeline stage holds no attention layer; block size set from "

@@ -37,7 +37,8 @@ class Patch:
     processes: tuple[str, ...]
     """Where it applies: ``frontend``, ``engine``, ``worker``."""
     vllm_versions: str
-    """PEP 440 specifier of the vLLM releases whose target this patch was written against."""
+    """PEP 440 specifier of the vLLM releases whose target this patch was written against
+    (``A || B``: either; the refusal outside the supported range uses it)."""
     why: str
     upstream: str
     remove_when: str
@@ -59,6 +60,9 @@ class Patch:
     opt_out: str = ""
     """An environment variable that, set to 0 (false, no, off), leaves this patch unapplied; for
     patches that fix vLLM for every executor (the others act only under dualgpu)."""
+    fixed_in: str = ""
+    """The vLLM release that fixed the problem upstream (the range ends there), with what it
+    changed, e.g. ``"0.31.0: DFlashQwen3Model builds ... (models/qwen3_dflash.py)"``."""
 
     @property
     def module(self) -> str:
@@ -160,10 +164,11 @@ def _load_factory(spec: str) -> Callable[[Callable], Callable]:
 
 
 def version_in_range(version: str, spec: str) -> bool:
+    """Whether ``version`` matches the PEP 440 specifier ``spec``, or any of ``A || B``."""
     from packaging.specifiers import SpecifierSet
     from packaging.version import Version
 
-    return Version(version) in SpecifierSet(spec)
+    return any(Version(version) in SpecifierSet(part.strip()) for part in spec.split("||"))
 
 
 @dataclass

@@ -9,6 +9,7 @@ import importlib
 import sys
 from pathlib import Path
 
+from vllm_dualgpu._version import SUPPORTED_VLLM
 from vllm_dualgpu.patching.interventions import INTERVENTIONS
 from vllm_dualgpu.patching.registry import PATCHES
 
@@ -79,8 +80,61 @@ def render_interventions() -> str:
     return "".join(out)
 
 
+KV_PLANNER_NOTE = """
+vLLM 0.33 adds an experimental pluggable KV-cache planner (`Platform.get_kv_cache_config_builder_cls`
+returning a `KVCacheConfigBuilder`, vLLM PR #53558). The KV entries for 0.33 do not use it: its
+grouping hook runs in EngineCore before memory is measured and sees neither the ranks nor their
+memory (the grouping here is chosen by the tightest rank's memory), a plugin can select a builder
+only by patching the platform's classmethod (itself a run-time patch), and overriding
+`get_kv_cache_groups` would mean copying vLLM's private grouping code (HiSparse, packed groups,
+hidden-state layers) instead of wrapping the two functions it calls. `kv-groups-know-ranks-033`
+instead forms the groups again with vLLM's `get_global_kv_cache_groups` inside
+`get_kv_cache_configs`, once memory is known.
+"""
+
+
+def _fixed_version(patch) -> str:
+    return patch.fixed_in.split(":", 1)[0].strip()
+
+
+def support_table() -> str:
+    """Release x problem: which entry applies, or since when upstream made it unneeded."""
+    from packaging.version import Version
+
+    from vllm_dualgpu.patching.registry import family, for_version
+    from vllm_dualgpu.support import CHECKED_RELEASES
+
+    families = list(dict.fromkeys(family(p.name) for p in PATCHES))
+    out = [
+        "\n## Support by vLLM release\n\n",
+        "Supported: vLLM `" + SUPPORTED_VLLM + "`, checked on " + ", ".join(CHECKED_RELEASES)
+        + ". Each cell names the entry that applies on that release (`yes` = the entry of "
+        "that name; a suffix names the entry for that release's API), `not needed since X` "
+        "where upstream fixed the problem in release X (see the entry's **Fixed upstream**).\n\n",
+        "| patch | " + " | ".join(CHECKED_RELEASES) + " |\n",
+        "|---|" + "---|" * len(CHECKED_RELEASES) + "\n",
+    ]
+    for name in families:
+        cells = []
+        for release in CHECKED_RELEASES:
+            entry = for_version(name, release)
+            fixed = [p for p in PATCHES if family(p.name) == name and p.fixed_in
+                     and Version(_fixed_version(p)) <= Version(release)]
+            if entry is not None:
+                cells.append("yes" if entry.name == name else f"`{entry.name}`")
+            elif fixed:
+                cells.append(f"not needed since {_fixed_version(fixed[0])}")
+            elif name == "dualgpu-needs-supported-vllm":
+                cells.append("only outside the range")
+            else:
+                cells.append("**missing**")
+        out.append(f"| `{name}` | " + " | ".join(cells) + " |\n")
+    out.append(KV_PLANNER_NOTE)
+    return "".join(out)
+
+
 def render() -> str:
-    out = [HEADER, f"{len(PATCHES)} patch(es).\n"]
+    out = [HEADER, f"{len(PATCHES)} patch(es).\n", support_table()]
     for p in PATCHES:
         out.append(f"\n## `{p.name}`\n\n")
         out.append(f"- **Target:** `{p.target}` (parameters: `{', '.join(p.params)}`)\n")
@@ -99,6 +153,8 @@ def render() -> str:
         out.append(f"- **Why:** {p.why}\n")
         out.append(f"- **Upstream:** {p.upstream}\n")
         out.append(f"- **Remove when:** {p.remove_when}\n")
+        if p.fixed_in:
+            out.append(f"- **Fixed upstream:** vLLM {p.fixed_in}; the range ends there\n")
         if p.issue:
             out.append(f"- **Project issue:** {p.issue}\n")
     out.append(render_interventions())

@@ -7,18 +7,28 @@ why, which upstream issue or PR it relates to, and when it can go.
 
 from __future__ import annotations
 
+from vllm_dualgpu._version import UNSUPPORTED_VLLM
 from vllm_dualgpu.envs import TOOL_PARSER_FIXES
 from vllm_dualgpu.patching.core import Patch
 from vllm_dualgpu.process import DEVICE, ENGINE, FRONTEND, WORKER
 
+# The releases each range was checked against: 0.30.0, 0.31.0, 0.32.0, 0.33.0 (no patch releases
+# exist between them). A range ends where upstream fixed the problem or moved the target; then
+# another entry (a name with a suffix) covers the later releases.
 V030 = ">=0.30.0,<0.31"
+V030_033 = ">=0.30.0,<0.34"
+V030_031 = ">=0.30.0,<0.32"
+V030_032 = ">=0.30.0,<0.33"
+V031_033 = ">=0.31.0,<0.34"
+V032_033 = ">=0.32.0,<0.34"
+V033 = ">=0.33.0,<0.34"
 
 PATCHES: tuple[Patch, ...] = (
     Patch(
         name="executor-by-name",
         target="vllm.engine.arg_utils:EngineArgs.create_engine_config",
         processes=(FRONTEND,),
-        vllm_versions=V030,
+        vllm_versions=V030_033,
         why=(
             "Turns --distributed-executor-backend dualgpu into the DualGpuExecutor class before "
             "vLLM validates it: EngineArgs._check_feature_supported rejects any other string "
@@ -30,6 +40,26 @@ PATCHES: tuple[Patch, ...] = (
         factory="vllm_dualgpu.patches.arg_utils:wrap_create_engine_config",
         params=("self", "usage_context", "headless"),
         issue="#2",
+    ),
+    Patch(
+        name="dualgpu-needs-supported-vllm",
+        target="vllm.engine.arg_utils:EngineArgs.create_engine_config",
+        processes=(FRONTEND,),
+        vllm_versions=UNSUPPORTED_VLLM,
+        why=(
+            "Outside the supported range no other patch applies, so --distributed-executor-"
+            "backend dualgpu with PP > 1 would die on vLLM's own 'Pipeline Parallelism without "
+            "Ray distributed executor or multiprocessing executor' error, which names neither "
+            "the plugin nor the fix. On such a release this guard refuses 'dualgpu' when the "
+            "engine arguments are turned into a config, with one line: the supported range, "
+            "the installed vLLM and what to install (vllm_dualgpu.support.unsupported_reason). "
+            "Every other backend is untouched."
+        ),
+        upstream="none (vLLM has no registry of executor names for plugins)",
+        remove_when="executor-by-name goes",
+        factory="vllm_dualgpu.patches.arg_utils:wrap_create_engine_config_unsupported",
+        params=("self", "usage_context", "headless"),
+        issue="#16",
     ),
     Patch(
         name="known-env-vars",
@@ -48,13 +78,32 @@ PATCHES: tuple[Patch, ...] = (
         params=("hard_fail",),
         issue="#3",
     ),
+    Patch(
+        name="known-env-vars-031",
+        target="vllm.platforms.interface:Platform.validate_environ",
+        processes=(FRONTEND,),
+        vllm_versions=V031_033,
+        why=(
+            "known-env-vars for vLLM 0.31+, where vllm.envs.validate_environ is gone and the "
+            "same loop is the classmethod Platform.validate_environ(cls, hard_fail) "
+            "(platforms/interface.py:1344 in 0.31, :1458 in 0.33), called as "
+            "current_platform.validate_environ(...) from EngineArgs.create_engine_config; no "
+            "platform overrides it. Platform.additional_env_vars is not a way to declare them "
+            "(only ROCm sets it)."
+        ),
+        upstream="none (vLLM has no way for plugins to declare environment variables)",
+        remove_when="vLLM lets plugins declare their environment variables",
+        factory="vllm_dualgpu.patches.vllm_envs:wrap_platform_validate_environ",
+        params=("cls", "hard_fail"),
+        issue="#3",
+    ),
     # --- memory accounting (issue #3) ---
     # --- per-rank device identity (issue #4) ---
     Patch(
         name="capability-per-rank",
         target="vllm.platforms.cuda:NvmlCudaPlatform.get_device_capability",
         processes=(WORKER,),
-        vllm_versions=V030,
+        vllm_versions=V030_033,
         why=(
             "get_device_capability() defaults to device 0, and has_device_capability, "
             "is_device_capability(_family) and every kernel's is_supported() call it that way: "
@@ -73,7 +122,7 @@ PATCHES: tuple[Patch, ...] = (
         name="capability-per-rank-nonnvml",
         target="vllm.platforms.cuda:NonNvmlCudaPlatform.get_device_capability",
         processes=(WORKER,),
-        vllm_versions=V030,
+        vllm_versions=V030_033,
         why=(
             "Same as capability-per-rank for the platform class vLLM uses where NVML is "
             "unavailable (torch.cuda.get_device_capability(0) on every rank)."
@@ -88,7 +137,7 @@ PATCHES: tuple[Patch, ...] = (
         name="device-name-per-rank",
         target="vllm.platforms.cuda:NvmlCudaPlatform.get_device_name",
         processes=(WORKER,),
-        vllm_versions=V030,
+        vllm_versions=V030_033,
         why=(
             "get_device_name() defaults to logical device 0, which names the first rank's card "
             "on every rank (tuned-config file names, attention heuristics). Once CUDA is "
@@ -106,7 +155,7 @@ PATCHES: tuple[Patch, ...] = (
         name="device-name-per-rank-nonnvml",
         target="vllm.platforms.cuda:NonNvmlCudaPlatform.get_device_name",
         processes=(WORKER,),
-        vllm_versions=V030,
+        vllm_versions=V030_033,
         why=(
             "Same as device-name-per-rank for the platform class used without NVML, which takes "
             "a visible ordinal (torch.cuda.get_device_name)."
@@ -121,7 +170,7 @@ PATCHES: tuple[Patch, ...] = (
         name="config-file-name-per-rank",
         target="vllm.utils.platform_utils:get_device_name_as_file_name",
         processes=(WORKER,),
-        vllm_versions=V030,
+        vllm_versions=V030_033,
         why=(
             "The card name in tuned-config file names (fused MoE, block FP8, Mamba SSM) comes "
             "from this @cache'd function with device_id=0, so every rank reads the first rank's "
@@ -145,7 +194,7 @@ PATCHES: tuple[Patch, ...] = (
         name="fp8-configs-per-rank",
         target="vllm.model_executor.layers.quantization.utils.fp8_utils:get_w8a8_block_fp8_configs",
         processes=(WORKER,),
-        vllm_versions=V030,
+        vllm_versions=V030_033,
         why=(
             "The block-FP8 Triton GEMM reads its tuned configs only from vLLM's own configs/ "
             "folder (VLLM_TUNED_CONFIG_FOLDER is not honoured there) and by device 0's name on "
@@ -170,7 +219,7 @@ PATCHES: tuple[Patch, ...] = (
         name="sm89-triton-fp8",
         target="vllm.model_executor.kernels.linear:choose_scaled_mm_linear_kernel",
         processes=(WORKER,),
-        vllm_versions=V030,
+        vllm_versions=V030_033,
         why=(
             "On SM89 (RTX 40 series, L4, L40) the block-FP8 kernel list "
             "(_POSSIBLE_FP8_BLOCK_KERNELS) reaches MarlinFP8ScaledMMLinearKernel, which expands "
@@ -196,7 +245,7 @@ PATCHES: tuple[Patch, ...] = (
         name="pp-inflight-batches",
         target="vllm.config.vllm:VllmConfig.max_concurrent_batches",
         processes=(ENGINE, WORKER),
-        vllm_versions=V030,
+        vllm_versions=V030_033,
         why=(
             "With async scheduling on the V2 model runner, max_concurrent_batches is "
             "pipeline_parallel_size + 1; with a drafter (MTP) under PP the extra in-flight batch "
@@ -216,7 +265,7 @@ PATCHES: tuple[Patch, ...] = (
         name="drafter-shares-target-embed",
         target="vllm.v1.worker.gpu.spec_decode.eagle.utils:maybe_share_target_embed",
         processes=(WORKER,),
-        vllm_versions=V030,
+        vllm_versions=V030_033,
         why=(
             "Under PP, maybe_share_target_embed returns early for drafters that do not declare "
             "has_own_embed_tokens (MTP), so the drafter on the last rank keeps its own copy of "
@@ -237,7 +286,7 @@ PATCHES: tuple[Patch, ...] = (
         name="kv-groups-know-ranks",
         target="vllm.v1.core.kv_cache_utils:get_kv_cache_configs",
         processes=(ENGINE,),
-        vllm_versions=V030,
+        vllm_versions=V030_032,
         why=(
             "Makes each rank's layers and KV memory known to the grouping below for the "
             "duration of the call (dualgpu with PP > 1 only); the result is vLLM's own."
@@ -250,10 +299,30 @@ PATCHES: tuple[Patch, ...] = (
         issue="#6",
     ),
     Patch(
+        name="kv-groups-know-ranks-033",
+        target="vllm.v1.core.kv_cache_planning:get_kv_cache_configs",
+        processes=(ENGINE,),
+        vllm_versions=V033,
+        why=(
+            "kv-groups-know-ranks for vLLM 0.33, which moved KV planning to kv_cache_planning.py "
+            "and groups the model in EngineCore (get_global_kv_cache_groups, v1/engine/core.py:"
+            "292) before it measures memory (:310), passing the groups in as a 4th argument "
+            "(:321). Under dualgpu with PP > 1 the groups are formed again by vLLM's "
+            "get_global_kv_cache_groups with each rank's layers and memory known for the "
+            "duration (so the grouping below can choose), and vLLM's planning runs with them."
+        ),
+        upstream="none",
+        remove_when="kv-groups-without-padding-033 goes",
+        factory="vllm_dualgpu.patches.kv_cache_utils:wrap_get_kv_cache_configs_global_groups",
+        params=("vllm_config", "kv_cache_specs", "available_memory", "global_kv_cache_groups"),
+        copies=("vllm.v1.engine.core",),
+        issue="#6",
+    ),
+    Patch(
         name="kv-groups-without-padding",
         target="vllm.v1.core.kv_cache_utils:_get_kv_cache_groups_uniform_page_size",
         processes=(ENGINE,),
-        vllm_versions=V030,
+        vllm_versions=V030_032,
         why=(
             "vLLM cuts every spec bucket of a hybrid model into groups of the smallest bucket's "
             "size, so a drafter with its own attention spec (5 DFlash layers) pads the target's "
@@ -271,10 +340,28 @@ PATCHES: tuple[Patch, ...] = (
         issue="#6",
     ),
     Patch(
+        name="kv-groups-without-padding-033",
+        target="vllm.v1.core.kv_cache_planning:_get_kv_cache_groups_uniform_page_size",
+        processes=(ENGINE,),
+        vllm_versions=V033,
+        why=(
+            "kv-groups-without-padding for vLLM 0.33 (the function moved to "
+            "kv_cache_planning.py:416; get_kv_cache_groups still calls it as a module global "
+            "when the layout does not pack mixed page sizes block-outermost, "
+            "_get_packed_kv_cache_groups). The estimators it measures with take the platform's "
+            "KV config builder first there."
+        ),
+        upstream="none known",
+        remove_when="vLLM groups hybrid KV caches per PP rank without padding",
+        factory="vllm_dualgpu.patches.kv_cache_utils:wrap_get_kv_cache_groups_uniform_page_size",
+        params=("kv_cache_spec",),
+        issue="#6",
+    ),
+    Patch(
         name="kv-drafter-pages-promoted",
         target="vllm.v1.core.kv_cache_utils:unify_kv_cache_spec_page_size",
         processes=(ENGINE,),
-        vllm_versions=V030,
+        vllm_versions=V030_032,
         why=(
             "A hybrid model's Mamba/GDN and attention pages share one size; a drafter with its "
             "own attention spec has another per-token page, and vLLM only multiplies block "
@@ -292,10 +379,25 @@ PATCHES: tuple[Patch, ...] = (
         issue="#6",
     ),
     Patch(
+        name="kv-drafter-pages-promoted-033",
+        target="vllm.v1.core.kv_cache_planning:unify_kv_cache_spec_page_size",
+        processes=(ENGINE,),
+        vllm_versions=V033,
+        why=(
+            "kv-drafter-pages-promoted for vLLM 0.33 (the function moved to "
+            "kv_cache_planning.py:346 and is called as a module global by get_kv_cache_groups)."
+        ),
+        upstream="none known",
+        remove_when="vLLM sizes drafter blocks to the hybrid model's page",
+        factory="vllm_dualgpu.patches.kv_cache_utils:wrap_unify_kv_cache_spec_page_size",
+        params=("kv_cache_spec",),
+        issue="#6",
+    ),
+    Patch(
         name="vision-tower-first-rank-only",
         target="vllm.model_executor.models.interfaces:SupportsMultiModal._mark_tower_model",
         processes=(WORKER,),
-        vllm_versions=V030,
+        vllm_versions=V030_032,
         why=(
             "Multimodal models build and load their vision tower on every PP rank, though with "
             "the V2 model runner only the first rank runs it (later ranks have no encoder "
@@ -309,6 +411,8 @@ PATCHES: tuple[Patch, ...] = (
         factory="vllm_dualgpu.patches.models_interfaces:wrap_mark_tower_model",
         params=("self", "vllm_config", "modalities", "targets"),
         issue="#6",
+        fixed_in="0.33.0: SupportsMultiModal._mark_tower_model marks the towers missing on "
+        "pipeline stages after the first under Model Runner V2 (models/interfaces.py:346)",
     ),
     Patch(
         name="hybrid-block-size-every-stage",
@@ -331,6 +435,41 @@ PATCHES: tuple[Patch, ...] = (
         source_sha256="91c248cdc7443f36b74f3ca3b08b38dd864dcff6cbfac7113bfe8b8bf9b2dd8c",
     ),
     Patch(
+        name="hybrid-block-size-every-stage-031",
+        target="vllm.platforms.interface:Platform.update_block_size_for_backend",
+        processes=(WORKER,),
+        vllm_versions=">=0.31.0,<0.32",
+        why=(
+            "hybrid-block-size-every-stage for vLLM 0.31, whose method asks "
+            "_find_non_ssm_backends (a list of the stage's distinct backends, empty on a stage "
+            "without attention) and picks a size all of them prefer; the stage without "
+            "attention is answered [the model's backend]."
+        ),
+        upstream="none found",
+        remove_when="vLLM aligns the hybrid block size from the whole model on every stage",
+        factory="vllm_dualgpu.patches.platforms_interface:wrap_update_block_size_for_backends",
+        params=("cls", "vllm_config"),
+        issue="#6",
+        source_sha256="b7e65a3cbe5862fb146b0f3120afc32310279f73c0463198bdc9fcda23aaecaa",
+    ),
+    Patch(
+        name="hybrid-block-size-every-stage-032",
+        target="vllm.platforms.interface:Platform.update_block_size_for_backend",
+        processes=(WORKER,),
+        vllm_versions=V032_033,
+        why=(
+            "hybrid-block-size-every-stage-031 for vLLM 0.32 and 0.33 (same source in both), "
+            "which also checks the aligned size against every backend "
+            "(_check_aligned_block_size) afterwards."
+        ),
+        upstream="none found",
+        remove_when="vLLM aligns the hybrid block size from the whole model on every stage",
+        factory="vllm_dualgpu.patches.platforms_interface:wrap_update_block_size_for_backends",
+        params=("cls", "vllm_config"),
+        issue="#6",
+        source_sha256="2176a735a4d8ae41b91c904a605d16f3d9a28b113e299f37a0398f598daa0916",
+    ),
+    Patch(
         name="dflash-quantized-context-kv-build",
         target="vllm.model_executor.models.qwen3_dflash:DFlashQwen3Model._build_context_kv_buffers",
         processes=(WORKER,),
@@ -349,6 +488,8 @@ PATCHES: tuple[Patch, ...] = (
         factory="vllm_dualgpu.patches.qwen3_dflash:wrap_build_context_kv_buffers",
         params=("self", "layers_attn", "has_bias"),
         issue="#6",
+        fixed_in="0.31.0: _build_context_kv_buffers keeps the qkv projections and fuses only "
+        "unquantized ones (models/qwen3_dflash.py:505)",
     ),
     Patch(
         name="dflash-quantized-context-kv-project",
@@ -366,12 +507,14 @@ PATCHES: tuple[Patch, ...] = (
         factory="vllm_dualgpu.patches.qwen3_dflash:wrap_project_context_kv",
         params=("self", "context_states", "num_ctx", "num_layers", "num_kv_heads", "head_dim"),
         issue="#6",
+        fixed_in="0.31.0: _project_context_kv runs each quantized projection through its "
+        "quant method (models/qwen3_dflash.py:581)",
     ),
     Patch(
         name="qwen3-next-aux-hidden-relay",
         target="vllm.model_executor.models.qwen3_next:Qwen3NextModel.forward",
         processes=(DEVICE,),  # the model module starts CUDA when imported
-        vllm_versions=V030,
+        vllm_versions=V030_033,
         why=(
             "EAGLE3 and DFlash drafters read auxiliary hidden states of target layers spread "
             "over every PP stage; Qwen3NextModel.forward (the decoder of Qwen3-Next and, by "
@@ -397,7 +540,7 @@ PATCHES: tuple[Patch, ...] = (
         name="qwen3-next-aux-hidden-flag",
         target="vllm.model_executor.models.interfaces:EagleModelMixin._set_aux_hidden_state_layers",
         processes=(WORKER,),
-        vllm_versions=V030,
+        vllm_versions=V030_033,
         why=(
             "vLLM reserves the relay slots (reserve_aux_intermediate_tensor_slots) and accepts "
             "EAGLE3/DFlash under PP (verify_supports_aux_hidden_states_over_pp) only for a "
@@ -417,7 +560,7 @@ PATCHES: tuple[Patch, ...] = (
         name="qwen3-5-aux-hidden-layers",
         target="vllm.model_executor.models.qwen3_5:Qwen3_5ForCausalLMBase.set_aux_hidden_state_layers",
         processes=(DEVICE,),  # the model module starts CUDA when imported
-        vllm_versions=V030,
+        vllm_versions=V030_033,
         why=(
             "Text-only Qwen3.5 models (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM) store the "
             "auxiliary layers on the decoder directly, bypassing "
@@ -439,7 +582,7 @@ PATCHES: tuple[Patch, ...] = (
         name="qwen3-next-embed-quant-config",
         target="vllm.model_executor.layers.vocab_parallel_embedding:VocabParallelEmbedding.__init__",
         processes=(WORKER,),
-        vllm_versions=V030,
+        vllm_versions=V030_031,
         why=(
             "Qwen3NextModel, Qwen3_5Model and both families' MTP predictors build embed_tokens "
             "without quant_config (Qwen2 and Llama pass it), so a checkpoint with a quantized "
@@ -462,6 +605,37 @@ PATCHES: tuple[Patch, ...] = (
             "quant_config",
             "prefix",
             "disable_tp",
+            "quant_method",
+            "parallel_group",
+        ),
+        issue="#6",
+    ),
+    Patch(
+        name="qwen3-next-embed-quant-config-032",
+        target="vllm.model_executor.layers.vocab_parallel_embedding:VocabParallelEmbedding.__init__",
+        processes=(WORKER,),
+        vllm_versions=V032_033,
+        why=(
+            "qwen3-next-embed-quant-config for vLLM 0.32+, whose __init__ adds the keyword-only "
+            "reduce_results before quant_method (vocab_parallel_embedding.py:252-266); the "
+            "wrapper is the same (quant_config is still positional index 5 and the four "
+            "callers still omit it: 0.33 qwen3_next.py:660, qwen3_5.py:251, "
+            "qwen3_next_mtp.py:65, qwen3_5_mtp.py:84)."
+        ),
+        upstream="vLLM issue #54304; vLLM PR #45994 (open) passes quant_config",
+        remove_when="vLLM passes quant_config to these embeddings (PR #45994 or equivalent)",
+        factory="vllm_dualgpu.patches.vocab_embedding:wrap_vocab_parallel_embedding_init",
+        params=(
+            "self",
+            "num_embeddings",
+            "embedding_dim",
+            "params_dtype",
+            "org_num_embeddings",
+            "padding_size",
+            "quant_config",
+            "prefix",
+            "disable_tp",
+            "reduce_results",
             "quant_method",
             "parallel_group",
         ),
@@ -556,7 +730,7 @@ PATCHES: tuple[Patch, ...] = (
         name="executor-help",
         target="vllm.engine.arg_utils:EngineArgs.add_cli_args",
         processes=(FRONTEND,),
-        vllm_versions=V030,
+        vllm_versions=V030_033,
         why=(
             "vllm serve --help=distributed-executor-backend lists the backends vLLM knows and "
             "not 'dualgpu', which only executor-by-name makes a valid value. The wrapper adds "
@@ -571,4 +745,20 @@ PATCHES: tuple[Patch, ...] = (
     ),
 )
 
-__all__ = ["ENGINE", "FRONTEND", "PATCHES", "WORKER"]
+def family(name: str) -> str:
+    """The problem an entry solves: its name without a release suffix (``-031``)."""
+    import re
+
+    return re.sub(r"-0\d\d$", "", name)
+
+
+def for_version(name: str, version: str) -> Patch | None:
+    """The entry of family ``name`` whose range includes vLLM ``version`` (None: not needed or
+    not available there)."""
+    from vllm_dualgpu.patching.core import version_in_range
+
+    return next((p for p in PATCHES if family(p.name) == name
+                 and version_in_range(version, p.vllm_versions)), None)
+
+
+__all__ = ["ENGINE", "FRONTEND", "PATCHES", "WORKER", "family", "for_version"]

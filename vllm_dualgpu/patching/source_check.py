@@ -64,18 +64,24 @@ def check_in_file(target: str, params: tuple[str, ...], sha256: str = "") -> str
     """What core's checks would say about ``module:Qualified.name``, read from the file without
     importing it: "" when it is there with these parameters (and this source digest, if given),
     else the reason."""
-    module, qualname = target.split(":", 1)
+    module = target.split(":", 1)[0]
     try:
         spec = importlib.util.find_spec(module)
     except (ImportError, ValueError) as exc:
         return f"{module} cannot be found: {exc}"
     if spec is None or not spec.origin or not spec.origin.endswith(".py"):
         return f"{module} has no Python source"
-    with open(spec.origin, encoding="utf-8") as f:
+    return check_in_path(spec.origin, target, params, sha256)
+
+
+def check_in_path(path: str, target: str, params: tuple[str, ...], sha256: str = "") -> str:
+    """:func:`check_in_file` for the module's source at ``path`` (a release's unpacked tree)."""
+    qualname = target.split(":", 1)[1]
+    with open(path, encoding="utf-8") as f:
         source = f.read()
     node = _find(ast.parse(source), qualname)
     if node is None:
-        return f"{target} not found in {spec.origin}"
+        return f"{target} not found in {path}"
     found = _params(node)
     if found != params:
         return f"{target} takes ({', '.join(found)}), expected ({', '.join(params)})"

@@ -68,9 +68,8 @@ def test_fits_when_every_rank_holds_the_context(vllm_config):
 
 def test_agrees_with_vllms_own_check(vllm_config):
     """Where our check says a length does not fit, vLLM's get_kv_cache_configs refuses too."""
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
-
     from vllm_dualgpu.engine.context_fit import ContextDoesNotFit, check_context_fits
+    from vllm_dualgpu.patches.kv_cache_utils import kv_cache_configs as get_kv_cache_configs
 
     per_block = 2 * PER_TOKEN_LAYER * 16
     rank_specs = [specs(range(0, 2)), specs(range(2, 4))]

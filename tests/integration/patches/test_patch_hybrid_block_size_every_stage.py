@@ -15,10 +15,10 @@ import logging
 import pytest
 import torch
 
-from conftest import apply_registry_patch
-from vllm_dualgpu.patching.core import apply_patch, revert_patch
+from vllm_dualgpu.patching.core import APPLIED, apply_patch, revert_patch
+from vllm_dualgpu.patching.registry import for_version
 
-NAME = "hybrid-block-size-every-stage"
+NAME = "hybrid-block-size-every-stage"  # one entry per vLLM API: _find_non_ssm_backend(s)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,9 @@ def make_config(qwen3_5_hybrid_config):
 
 @pytest.fixture
 def patched(vllm_version):
-    patch = apply_registry_patch(NAME, vllm_version)
+    patch = for_version(NAME, vllm_version)
+    outcome = apply_patch(patch, vllm_version)
+    assert outcome.status == APPLIED, outcome.reason
     yield patch
     revert_patch(patch)
 
@@ -65,7 +67,7 @@ def test_stock_stages_disagree(make_config):
     without = sizes(make_config())
     assert with_attn[0] > without[0]
     assert with_attn[1] == with_attn[0]  # align mode: Mamba states every block
-    assert without[1] != without[0]
+    assert without[1] != with_attn[1]  # the stages cache Mamba states at different positions
 
 
 def test_patched_attention_free_stage_matches_the_attention_stage(patched, make_config, caplog):

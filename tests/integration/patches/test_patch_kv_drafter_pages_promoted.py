@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import registry_patch
+from vllm_dualgpu.patching.registry import for_version
 from spec_pp import (  # noqa: F401  (fixtures and helpers of the item-7 tests)
     applied,
     kv_layout,
@@ -50,25 +51,24 @@ def rank_specs(block_size: int, drafter_head: int = 128):
 
 
 def plan(cfg, ranks):
-    from vllm.v1.core import kv_cache_utils as ku
-
-    configs = ku.get_kv_cache_configs(cfg, [dict(r) for r in ranks], [2**30, 2**30])
+    configs = kvp.kv_cache_configs(cfg, [dict(r) for r in ranks], [2**30, 2**30])
     specs = {}
     for c in configs:
         for g in c.kv_cache_groups:
             for name in g.layer_names:
                 specs[name] = g.kv_cache_spec
-    per_rank_bytes = [ku._get_kv_cache_bytes_per_block(c.kv_cache_groups) for c in configs]
+    per_rank_bytes = [kvp.pool_bytes_per_block(cfg, c.kv_cache_groups) for c in configs]
     return specs, configs[0].num_blocks, per_rank_bytes
 
 
 def stock_and_patched(cfg, ranks, vllm_version):
     patched = plan(cfg, ranks)
-    assert revert_patch(registry_patch(PATCH))
+    patch = for_version(PATCH, vllm_version)
+    assert revert_patch(patch)
     try:
         stock = plan(cfg, ranks)
     finally:
-        assert apply_patch(registry_patch(PATCH), vllm_version).status == APPLIED
+        assert apply_patch(patch, vllm_version).status == APPLIED
     return stock, patched
 
 
@@ -122,7 +122,7 @@ def test_blocking_block_size_is_reported(promoting, kv_layout, vllm_version, mon
 
 
 def test_stock_for_other_executors(promoting, kv_layout):
-    from vllm.v1.core import kv_cache_utils as ku
+    ku = kvp.planning_module()
 
     ranks, _ = rank_specs(64)
     specs, _, _ = plan(kv_layout["mp"], ranks)

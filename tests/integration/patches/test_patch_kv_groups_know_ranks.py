@@ -14,6 +14,10 @@ from vllm_dualgpu.patching.core import revert_patch
 
 @pytest.fixture
 def know_ranks(vllm_version, monkeypatch):
+    from vllm_dualgpu.patching.registry import for_version
+
+    if for_version("kv-groups-know-ranks", vllm_version).name != "kv-groups-know-ranks":
+        pytest.skip(f"vLLM {vllm_version} has its own entry (test_patch_kv_groups_know_ranks_033.py)")
     from vllm.v1.core import kv_cache_utils as ku
 
     patch = apply_registry_patch("kv-groups-know-ranks", vllm_version)

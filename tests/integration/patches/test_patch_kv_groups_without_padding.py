@@ -47,18 +47,16 @@ def hybrid_rank_specs(drafter_layers: int, drafter_same_spec: bool):
 
 
 def kv_plan(cfg, ranks, memory):
-    from vllm.v1.core import kv_cache_utils as ku
+    from vllm_dualgpu.patches import kv_cache_utils as kvp
 
-    configs = ku.get_kv_cache_configs(cfg, [dict(r) for r in ranks], [memory, memory])
+    configs = kvp.kv_cache_configs(cfg, [dict(r) for r in ranks], [memory, memory])
     # The global groups: each rank's config holds the same groups projected onto its layers.
     groups = [
         (sorted(a.layer_names + b.layer_names), a.kv_cache_spec)
         for a, b in zip(configs[0].kv_cache_groups, configs[1].kv_cache_groups)
     ]
-    per_rank_bytes = [ku._get_kv_cache_bytes_per_block(c.kv_cache_groups) for c in configs]
-    need = max(
-        ku._max_memory_usage_bytes_from_groups(cfg, c.kv_cache_groups) for c in configs
-    )
+    per_rank_bytes = [kvp.pool_bytes_per_block(cfg, c.kv_cache_groups) for c in configs]
+    need = max(kvp.max_memory_usage_bytes(cfg, c.kv_cache_groups) for c in configs)
     return groups, per_rank_bytes, configs[0].num_blocks, need
 
 
@@ -98,8 +96,9 @@ def test_kv_groups_without_padding_for_a_drafter_bucket(applied, kv_layout, vllm
 def test_kv_groups_unchanged_when_vllm_has_no_padding(applied, kv_layout):
     """Qwen3.5 + MTP: the MTP layer shares the target's attention spec; vLLM's grouping is
     already exact (one attention group of 17, GDN groups of 16), so the patch keeps it."""
-    from vllm.v1.core import kv_cache_utils as ku
+    from vllm_dualgpu.patches.kv_cache_utils import planning_module
 
+    ku = planning_module()
     applied("kv-groups-know-ranks")
     applied("kv-groups-without-padding")
     ranks, page = hybrid_rank_specs(drafter_layers=1, drafter_same_spec=True)
@@ -113,8 +112,9 @@ def test_kv_groups_unchanged_when_vllm_has_no_padding(applied, kv_layout):
 
 
 def test_kv_groups_stock_for_other_executors(applied, kv_layout):
-    from vllm.v1.core import kv_cache_utils as ku
+    from vllm_dualgpu.patches.kv_cache_utils import planning_module
 
+    ku = planning_module()
     applied("kv-groups-know-ranks")
     applied("kv-groups-without-padding")
     ranks, _ = hybrid_rank_specs(drafter_layers=5, drafter_same_spec=False)

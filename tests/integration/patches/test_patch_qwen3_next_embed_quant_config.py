@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import apply_registry_patch, registry_patch
 from vllm_dualgpu.patching.core import ALREADY, APPLIED, apply_patch, revert_patch
+from vllm_dualgpu.patching.registry import for_version
 from vllm_dualgpu.process import ACTIVE_ENV
 
 NAME = "qwen3-next-embed-quant-config"
@@ -39,7 +39,8 @@ def embedding_quant_config():
 
 @pytest.fixture
 def patched(vllm_version):
-    patch = apply_registry_patch(NAME, vllm_version)
+    patch = for_version(NAME, vllm_version)  # 0.32 added reduce_results: one entry each
+    assert apply_patch(patch, vllm_version).status in (APPLIED, ALREADY)
     yield patch
     revert_patch(patch)
 
@@ -103,7 +104,7 @@ def active(monkeypatch):
 
 def test_stock_builds_a_dense_table_for_a_quantized_embedding(vllm_version, build, qwen3_5, active):
     """The problem, with vLLM's own classes: the checkpoint's packed weights have nowhere to go."""
-    assert registry_patch(NAME).target  # declared
+    assert for_version(NAME, vllm_version).target  # declared
     model = build(qwen3_5.Qwen3_5Model, "model")
     assert type(model.embed_tokens.quant_method).__name__ == "UnquantizedEmbeddingMethod"
     assert params(model) == {"weight"}
@@ -188,7 +189,7 @@ def test_apply_is_idempotent_and_revert_restores(vllm_version):
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
     original = VocabParallelEmbedding.__init__
-    patch = registry_patch(NAME)
+    patch = for_version(NAME, vllm_version)
     assert apply_patch(patch, vllm_version).status == APPLIED
     try:
         assert apply_patch(patch, vllm_version).status == ALREADY

@@ -22,7 +22,7 @@ from vllm.model_executor.models import ModelRegistry  # noqa: E402
 from vllm.platforms.interface import Platform  # noqa: E402
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend  # noqa: E402
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum  # noqa: E402
-from vllm.v1.core.kv_cache_utils import _pool_bytes_per_block, get_kv_cache_configs  # noqa: E402
+from vllm_dualgpu.patches.kv_cache_utils import kv_cache_configs, pool_bytes_per_block  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode, MambaSpec  # noqa: E402
 
 from vllm_dualgpu.planner import (  # noqa: E402
@@ -167,8 +167,9 @@ def hybrid_specs(vc, partition, drafter=None):
 
 def vllm_result(vc, specs, available, max_model_len=1):
     vc.model_config.max_model_len = max_model_len
-    cfgs = get_kv_cache_configs(vc, [dict(s) for s in specs], list(available))
-    return cfgs[0].num_blocks, [_pool_bytes_per_block(c.kv_cache_groups) for c in cfgs], len(cfgs[0].kv_cache_groups)
+    # vLLM's own planning, called as this release's EngineCore calls it (0.33 groups first).
+    cfgs = kv_cache_configs(vc, [dict(s) for s in specs], list(available))
+    return cfgs[0].num_blocks, [pool_bytes_per_block(vc, c.kv_cache_groups) for c in cfgs], len(cfgs[0].kv_cache_groups)
 
 
 def vllm_accepts(vc, specs, available, max_model_len) -> bool:

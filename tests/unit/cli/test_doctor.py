@@ -7,6 +7,8 @@ import types
 
 import pytest
 
+from vllm_dualgpu._version import SUPPORTED_VLLM
+
 from vllm_dualgpu.cli import doctor, main
 from vllm_dualgpu.nvml import VisibleGpu
 from vllm_dualgpu.patching.core import ALREADY, APPLIED, READY, SKIPPED, Patch, apply_patch, check_patch, revert_patch
@@ -46,7 +48,7 @@ def fake_target(monkeypatch):
 
 
 def make(**kw) -> Patch:
-    base = dict(name="t", target="doc_target:f", processes=("worker",), vllm_versions=">=0.30.0,<0.31",
+    base = dict(name="t", target="doc_target:f", processes=("worker",), vllm_versions=SUPPORTED_VLLM,
                 why="w", upstream="u", remove_when="r", factory="doc_factories:double",
                 params=("x", "y"), copies=("doc_holder",))
     return Patch(**{**base, **kw})
@@ -68,7 +70,7 @@ def test_check_patch_is_a_dry_run(fake_target):
     [
         dict(params=("x",)),                           # signature changed
         dict(target="doc_target:gone"),                # target removed
-        dict(vllm_versions=">=0.31"),                  # other vLLM
+        dict(vllm_versions=">=0.34"),                  # other vLLM
         dict(factory="doc_factories:missing"),         # factory gone
     ],
 )
@@ -130,10 +132,8 @@ def _targets_now(patches) -> dict:
     for p in patches:
         try:
             now[p.name] = _function_of(_raw_attr(*_resolve_owner(p)))
-        except ImportError:
-            now[p.name] = None  # vllm.platforms.cuda without a driver
-        except AttributeError:
-            now[p.name] = None  # an entry for other vLLM releases, whose target this one lacks
+        except (ImportError, AttributeError):
+            now[p.name] = None  # vllm.platforms.cuda without a driver, or not in this release
     return now
 
 
@@ -141,7 +141,9 @@ def test_patch_lines_cover_the_registry_without_changing_vllm():
     from vllm_dualgpu.patching.registry import PATCHES
 
     before = _targets_now(PATCHES)
-    lines, outcomes = doctor.patch_lines("0.30.0")
+    import vllm
+
+    lines, outcomes = doctor.patch_lines(vllm.__version__)
     assert _targets_now(PATCHES) == before  # a dry run: every target is the same object
     assert len(outcomes) == len(PATCHES)
     for p in PATCHES:

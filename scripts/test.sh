@@ -1,0 +1,132 @@
+#!/usr/bin/env bash
+# The test command: bash scripts/test.sh
+#
+# Over the supported vLLM range (vllm_dualgpu/_version.py SUPPORTED_VLLM) on a CPU-only machine:
+#   - the oldest (0.30.0, torch 2.13.0) and the newest (0.33.0, torch 2.14.0) release each get a
+#     venv, this package's wheel (built once, installed as users get it, not editable) and the
+#     full suite (VLLM_TARGET_DEVICE=cpu pytest);
+#   - the middle releases (0.31.0, 0.32.0) get the registry's static checks against their
+#     released sources (every entry in range: target, parameters, pinned source), without
+#     installing or importing them, and the sm hook's coverage report of their library where
+#     this package has one.
+# Exits non-zero on any failure (pytest collecting no tests counts as one).
+#
+# Environment: TEST_VENVS (default .venvs/test) holds the venvs and downloaded wheels; a venv
+# that already has the right vLLM is reused. TEST_RELEASES_FULL / TEST_RELEASES_STATIC override
+# the release lists ("0.30.0:2.13.0 0.33.0:2.14.0" / "0.31.0 0.32.0"). Extra arguments go to
+# pytest.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
+ROOT=$(pwd)
+VENVS=${TEST_VENVS:-$ROOT/.venvs/test}
+FULL=${TEST_RELEASES_FULL-"0.30.0:2.13.0 0.33.0:2.14.0"}
+STATIC=${TEST_RELEASES_STATIC-"0.31.0 0.32.0"}
+PYTHON=${PYTHON:-python3}
+mkdir -p "$VENVS"
+start=$(date +%s)
+failures=()
+note_removed=0
+
+step() { echo; echo "=== $* ($(( $(date +%s) - start )) s)"; }
+fail() { echo "FAILED: $*"; failures+=("$*"); }
+
+step "building the vllm-dualgpu wheel"
+builder="$VENVS/build"
+[ -x "$builder/bin/pip" ] || "$PYTHON" -m venv "$builder"
+rm -rf "$VENVS/dist"
+if ! "$builder/bin/pip" wheel -q --no-deps -w "$VENVS/dist" "$ROOT"; then
+    fail "wheel build"
+    exit 1
+fi
+wheel=$(ls "$VENVS"/dist/vllm_dualgpu-*.whl)
+# The static checks read sources only: the wheel without its dependencies is enough for them.
+"$builder/bin/pip" install -q --no-deps --force-reinstall "$wheel" packaging >&2 || fail "wheel install for the static checks"
+checker=$builder/bin/python
+
+# venv VERSION TORCH: a venv with vLLM VERSION on torch TORCH and this wheel; prints its path.
+make_venv() {
+    local version=$1 torch=$2 venv="$VENVS/vllm-$1" t0
+    t0=$(date +%s)
+    if [ "$("$venv/bin/python" -c 'import importlib.metadata as m; print(m.version("vllm"))' 2>/dev/null)" != "$version" ]; then
+        rm -rf "$venv"
+        "$PYTHON" -m venv "$venv" || return 1
+        # torch first and pinned: vLLM's pin alone would pull whatever build the index prefers.
+        # 2.13.0 resolves to a CPU build where one is served; 2.14.0 only as the CUDA build,
+        # which imports fine without a GPU.
+        "$venv/bin/pip" install -q "torch==$torch" >&2 || return 1
+        echo "torch $torch: $(( $(date +%s) - t0 )) s" >&2
+        "$venv/bin/pip" install -q "vllm==$version" "pytest>=8" >&2 || return 1
+        echo "vLLM $version: $(( $(date +%s) - t0 )) s" >&2
+    fi
+    "$venv/bin/pip" install -q --no-deps --force-reinstall "$wheel" >&2 || return 1
+    if [ $note_removed = 0 ]; then
+        echo "Removing torchvision, torchaudio and torchcodec from the test venvs: vLLM pulls" \
+             "them in, and without a GPU driver they break 'import vllm'." >&2
+    fi
+    "$venv/bin/pip" uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1
+    echo "$venv"
+}
+
+# coverage PYTHON LIBRARY: the sm hook's report for a vLLM library, if this package has one.
+coverage() {
+    local py=$1 lib=$2
+    if ! "$py" - <<'EOF' 2>/dev/null; then
+import importlib.util, sys
+spec = importlib.util.find_spec("vllm_dualgpu.kernels.sm_hook")
+sys.exit(0 if spec and "--coverage" in open(spec.origin).read() else 1)
+EOF
+        echo "(sm hook coverage: this package has no 'python -m vllm_dualgpu.kernels.sm_hook --coverage'; skipped)"
+        return 0
+    fi
+    [ -f "$lib" ] || { fail "sm hook coverage: $lib missing"; return 0; }
+    "$py" -m vllm_dualgpu.kernels.sm_hook --coverage "$lib" || fail "sm hook coverage of $lib"
+}
+
+for pair in $FULL; do
+    version=${pair%%:*} torch=${pair#*:}
+    step "vLLM $version (torch $torch): installing"
+    if ! venv=$(make_venv "$version" "$torch"); then
+        fail "install of vLLM $version"
+        continue
+    fi
+    note_removed=1
+    step "vLLM $version: static checks of the installed release"
+    site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    "$venv/bin/python" -m vllm_dualgpu.patching.static_check --vllm-tree "$site" --version "$version" \
+        || fail "static checks on vLLM $version"
+    coverage "$venv/bin/python" "$site/vllm/_C_stable_libtorch.abi3.so"
+    step "vLLM $version: full suite"
+    # Run from the tests' folder's parent with the installed wheel (the source tree is not on
+    # sys.path: pytest is the venv's script, not python -m pytest).
+    (cd "$ROOT" && VLLM_TARGET_DEVICE=cpu "$venv/bin/pytest" -q -p no:cacheprovider "$@")
+    rc=$?
+    [ $rc = 5 ] && echo "pytest collected no tests"
+    [ $rc = 0 ] || fail "suite on vLLM $version (pytest exit $rc)"
+done
+
+for version in $STATIC; do
+    step "vLLM $version: static checks against the released wheel"
+    tree="$VENVS/src-$version"
+    if [ ! -f "$tree/vllm/__init__.py" ]; then
+        rm -rf "$tree" "$VENVS/wheels-$version"
+        if ! "$checker" -m pip download -q --no-deps "vllm==$version" -d "$VENVS/wheels-$version"; then
+            fail "download of the vLLM $version wheel"
+            continue
+        fi
+        mkdir -p "$tree"
+        unzip -q "$VENVS"/wheels-$version/vllm-*.whl 'vllm/*.py' 'vllm/_C_stable_libtorch.abi3.so' -d "$tree" \
+            || { fail "unpacking the vLLM $version wheel"; continue; }
+        rm -rf "$VENVS/wheels-$version"
+    fi
+    "$checker" -m vllm_dualgpu.patching.static_check --vllm-tree "$tree" --version "$version" \
+        || fail "static checks on vLLM $version"
+    coverage "$checker" "$tree/vllm/_C_stable_libtorch.abi3.so"
+done
+
+step "done"
+if [ ${#failures[@]} -gt 0 ]; then
+    printf 'FAILED: %s\n' "${failures[@]}"
+    exit 1
+fi
+echo "all passed: full suite on ${FULL// /, }; static checks on ${STATIC// /, }"
