@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+from vllm_dualgpu.patching.core import version_in_range
 from conftest import registry_patch
 from vllm_dualgpu.patching.core import ALREADY, APPLIED, apply_patch, revert_patch
 from vllm_dualgpu.process import ACTIVE_ENV
@@ -91,6 +92,9 @@ def patched(vllm_version):
     from vllm.model_executor.models.qwen3_dflash import DFlashQwen3Model
 
     patches = [registry_patch(n) for n in NAMES]
+    if not all(version_in_range(vllm_version, p.vllm_versions) for p in patches):
+        pytest.skip("fixed upstream in vLLM 0.31.0 (qwen3_dflash.py _build_context_kv_buffers); "
+                    "these tests drive the patch's code path")
     for p in patches:
         assert apply_patch(p, vllm_version).status in (APPLIED, ALREADY)
     yield DFlashQwen3Model
@@ -204,7 +208,9 @@ def test_w4a16_drafter_context_kv(kernels, patched, monkeypatch, bias):
         build(quantized, layers_attn, bias)
 
 
-def test_stock_without_dualgpu(kernels, patched, monkeypatch):
+def test_stock_without_dualgpu(kernels, patched, monkeypatch, vllm_version):
+    if not version_in_range(vllm_version, registry_patch(NAMES[0]).vllm_versions):
+        pytest.skip("fixed upstream in vLLM 0.31.0: there is no stock crash to show")
     quantized, reference = build_drafters(False)
     monkeypatch.delenv(ACTIVE_ENV, raising=False)
     with pytest.raises(AttributeError, match="weight"):
