@@ -20,6 +20,20 @@ sys.path.insert(1, str(Path(__file__).parent / "gpu"))
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def vllm_logging_configured_once():
+    """Configure vLLM's logging before any test captures logs: vLLM 0.33 configures it only when
+    a CLI or engine starts, and the plugin then does it itself (log.ensure_vllm_logging) in the
+    middle of a test, which would move the handlers under that test's log capture."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return
+    from vllm_dualgpu.log import ensure_vllm_logging
+
+    ensure_vllm_logging()
+
+
 def pytest_collection_modifyitems(config, items):
     """A ``gpu`` test is skipped, with the reason, where NVML sees no GPU (tests/gpu marks its own
     tests with the number of GPUs each needs: gpu_harness.needs_gpus)."""

@@ -8,7 +8,7 @@ import threading
 
 from vllm_dualgpu._version import __version__
 from vllm_dualgpu import support
-from vllm_dualgpu.log import logger
+from vllm_dualgpu.log import ensure_vllm_logging, logger
 from vllm_dualgpu.patching.core import ALREADY, APPLIED, Outcome, apply_patch, opted_out, version_in_range
 from vllm_dualgpu.process import DEVICE, WORKER, current_process_kinds, dualgpu_active, process_label
 
@@ -45,6 +45,7 @@ def ensure(kinds: frozenset[str]) -> list[Outcome]:
     and the worker class call it with their own kind, which covers forked processes where
     vLLM does not run plugins again.
     """
+    ensure_vllm_logging()
     with _lock:
         if _state["pid"] != os.getpid():
             _state.update(pid=os.getpid(), kinds=frozenset(), outcomes=None)
@@ -103,8 +104,9 @@ def startup_problems(kinds: frozenset[str], outcomes: list[Outcome]) -> list[str
     from vllm_dualgpu.patching.interventions import MISSING, check_all
 
     version = installed_vllm_version()
-    if not version_in_range(version, SUPPORTED_VLLM):
-        return [f"vllm-dualgpu {__version__} supports vLLM {SUPPORTED_VLLM}, found {version}"]
+    unsupported = support.unsupported_reason(version)
+    if unsupported:
+        return [unsupported]
     problems = [
         f"required patch {o.short()} was skipped"
         for o in outcomes
@@ -123,7 +125,7 @@ def refusal_message(where: str, problems: list[str]) -> str:
     return (
         f"vllm-dualgpu: the dualgpu run cannot start ({where}, vLLM {version}): "
         f"{'; '.join(problems)}. The installed vLLM differs from the one this package was "
-        f"written for: install a vLLM release in {SUPPORTED_VLLM} that `vllm-dualgpu doctor` "
+        f"written for: install a vLLM release in {support.SUPPORTED_VLLM} that `vllm-dualgpu doctor` "
         "passes, or run stock vLLM with --distributed-executor-backend mp."
     )
 

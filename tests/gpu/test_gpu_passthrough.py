@@ -4,6 +4,7 @@ boots, plans nothing away, and gives stock vLLM's greedy tokens (small-dense, se
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import pytest
 
@@ -39,5 +40,9 @@ def test_pp1_through_the_plugin_gives_stocks_tokens(model_dir, gpu_out, record_p
     c = tok.compare(stock["outputs"], plugin["outputs"], stock["logprobs"], plugin["logprobs"], strict=False)
     record_property("identical", f"{c['identical']}/{c['prompts']}")
     assert c["ok"], f"PP=1 through the plugin: {c['identical']}/{c['prompts']} identical; first {c['mismatches'][:1]}"
-    for kind in ("engine", "worker"):  # forked children apply their own patches (docs/gpu-runs.md)
-        assert plugin_lines(plugin["log"], kind), f"no {kind} plugin line"
+    # The engine applies its patches and says it runs as vLLM's mp executor. The stock worker of a
+    # PP=1 run (forked, so vLLM loads no plugins there) has nothing to apply and logs nothing:
+    # seen on vLLM 0.33.0 on one H200 (docs/gpu-runs.md).
+    assert plugin_lines(plugin["log"], "engine"), "no engine plugin line"
+    log = Path(plugin["log"]).read_text()
+    assert "pipeline_parallel_size=1, running as vLLM's multiprocess executor" in log, "no passthrough line"

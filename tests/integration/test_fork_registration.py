@@ -41,13 +41,13 @@ def test_forked_worker_applies_worker_patches_once():
     assert r.returncode == 0, r.stderr[-3000:]
     child = next(l for l in r.stdout.splitlines() if l.startswith("CHILD ")).split(" ", 1)[1]
     names, same = child.split("|")
-    worker_patches = sorted(p.name for p in PATCHES if "worker" in p.processes)
     import vllm
 
     from vllm_dualgpu.patching.core import version_in_range
 
-    frontend_only = sorted(p.name for p in PATCHES if p.processes == ("frontend",)
-                           and version_in_range(vllm.__version__, p.vllm_versions))
+    here = [p for p in PATCHES if version_in_range(vllm.__version__, p.vllm_versions)]
+    worker_patches = sorted(p.name for p in here if "worker" in p.processes)
+    frontend_only = sorted(p.name for p in here if p.processes == ("frontend",))
     assert names.split(",") == worker_patches
     assert same == "True"  # the second ensure() is a no-op
     parent = next(l for l in r.stdout.splitlines() if l.startswith("PARENT ")).split(" ", 1)[1]

@@ -123,6 +123,10 @@ def patch_lines(version: str, patches=None) -> tuple[list[str], list]:
     ]
     outcomes = []
     broken_tv: list[str] = []
+    from vllm_dualgpu.patching.core import version_in_range
+
+    others = [p for p in patches if not version_in_range(version, p.vllm_versions)]
+    patches = [p for p in patches if version_in_range(version, p.vllm_versions)]
     width = max((len(p.name) for p in patches), default=0)
     for p in patches:
         try:
@@ -143,6 +147,8 @@ def patch_lines(version: str, patches=None) -> tuple[list[str], list]:
         if reason:
             text += f"  {_one_line(reason)}"
         lines.append(text)
+    if others:
+        lines.append(f"  ({len(others)} more for other vLLM releases: the support table in docs/patches.md)")
     if broken_tv:
         lines += [
             f"  failed   {len(broken_tv)} patch{'es' if len(broken_tv) != 1 else ''} "

@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass
 
 from vllm_dualgpu.patching.core import _function_of, find_target, params_mismatch, version_in_range
-from vllm_dualgpu.process import DEVICE, ENGINE, WORKER
+from vllm_dualgpu.process import DEVICE, ENGINE, FRONTEND, WORKER
 
 NATIVE_HOOK, ENVIRONMENT, CONFIG, WORKER_CLASS, PRIVATE_API = (
     "native-hook", "environment", "config", "worker-class", "private-api",
@@ -38,6 +38,9 @@ cannot be checked on this machine (a library the intervention is for is not inst
 CHECKED = ">=0.30.0,<0.34"
 """Checked against vLLM 0.30.0 and 0.33.0 (and the releases between, which those bracket)."""
 V030 = ">=0.30.0,<0.31"
+V030_032 = ">=0.30.0,<0.33"
+V031_033 = ">=0.31.0,<0.34"
+V033 = ">=0.33.0,<0.34"
 """Checked against 0.30.0 only: 0.33.0 differs (the reason is in ``why``)."""
 
 
@@ -204,10 +207,28 @@ def probe_cute_dsl_arch(item: Intervention) -> tuple[str, str]:
 
 
 _KV = "vllm.v1.core.kv_cache_utils"
+_KV_PLANNING = "vllm.v1.core.kv_cache_planning"
 _WORKER = "vllm.v1.worker.gpu_worker:Worker"
 _NO_HOOK = "none (vLLM has no extension point for this)"
 
 INTERVENTIONS: tuple[Intervention, ...] = (
+    Intervention(
+        name="vllm-logging-bootstrap",
+        kind=PRIVATE_API,
+        target="vllm.logger:_configure_vllm_root_logger",
+        processes=(FRONTEND, ENGINE, WORKER),
+        vllm_versions=CHECKED,
+        why=(
+            "vLLM 0.33 configures its logger only once a CLI or engine starts, after plugins "
+            "load, so the plugin's one line per process was dropped there. When vLLM's logger "
+            "has no handler yet, the plugin applies vLLM's own bootstrap configuration (what "
+            "vLLM 0.30-0.32 do on import; log.ensure_vllm_logging); vLLM's later "
+            "configuration replaces it."
+        ),
+        upstream="none (vLLM configures logging per LoggingConfig since 0.33)",
+        remove_when="the plugin logs through a hook vLLM calls once logging is configured",
+        issue="#16",
+    ),
     # --- native hook ---
     Intervention(
         name="sm-hook-got",
@@ -437,29 +458,46 @@ INTERVENTIONS: tuple[Intervention, ...] = (
     # --- private vLLM functions: the context check and the KV grouping patch ---
     *(
         Intervention(
-            name=f"kv-{fn.strip('_').replace('_', '-')}",
+            name=f"kv-{fn.strip('_').replace('_', '-')}{suffix}",
             kind=PRIVATE_API,
-            target=f"{_KV}:{fn}",
+            target=f"{module}:{fn}",
             processes=(ENGINE,),
-            vllm_versions=V030,
-            why=why + " vLLM 0.33 moved it to vllm.v1.core.kv_cache_planning.",
+            vllm_versions=versions,
+            why=why + (" vLLM 0.33 moved it to vllm.v1.core.kv_cache_planning." if not suffix else
+                       " Its vLLM 0.33 home (kv_cache_planning), with the builder argument 0.33 "
+                       "added (patches/kv_cache_utils.py passes it)."),
             upstream=_NO_HOOK,
             remove_when="vLLM reports the largest context every rank fits (vLLM issue #34076) "
             "and groups KV layers per rank",
             params=params,
             issue="#3",
         )
-        for fn, params, why in (
-            ("_project_kv_cache_groups_to_worker", ("global_kv_cache_groups", "worker_spec"),
+        for module, versions, suffix, fn, params, why in (
+            (_KV, V030_032, "", "_project_kv_cache_groups_to_worker", ("global_kv_cache_groups", "worker_spec"),
              "engine/context_fit.py and the KV grouping patch project the model's KV groups "
              "onto each rank with it."),
-            ("_pool_bytes_per_block", ("kv_cache_groups",),
-             "engine/context_fit.py takes the null block off each rank's budget with it."),
-            ("_estimate_max_model_len_from_groups",
+            (_KV, V030_032, "", "_pool_bytes_per_block", None,
+             "engine/context_fit.py takes the null block off each rank's budget with it (its "
+             "parameters are (kv_cache_groups) before vLLM 0.32, (vllm_config, kv_cache_groups) "
+             "from 0.32: patches/kv_cache_utils.py asks which)."),
+            (_KV, V030_032, "", "_estimate_max_model_len_from_groups",
              ("vllm_config", "kv_cache_groups", "available_memory"),
              "engine/context_fit.py asks vLLM's own estimate of each rank's longest request."),
-            ("_max_memory_usage_bytes_from_groups", ("vllm_config", "kv_cache_groups"),
+            (_KV, V030_032, "", "_max_memory_usage_bytes_from_groups", ("vllm_config", "kv_cache_groups"),
              "The KV grouping patch (kv-groups-without-padding) prices a grouping with it."),
+            (_KV_PLANNING, V033, "-033", "_project_kv_cache_groups_to_worker",
+             ("global_kv_cache_groups", "worker_spec"),
+             "engine/context_fit.py and the KV grouping patch project the model's KV groups "
+             "onto each rank with it."),
+            (_KV_PLANNING, V033, "-033", "_pool_bytes_per_block_from_builder",
+             ("builder", "vllm_config", "kv_cache_groups"),
+             "engine/context_fit.py takes the null block off each rank's budget with it."),
+            (_KV_PLANNING, V033, "-033", "_estimate_max_model_len_from_groups",
+             ("builder", "vllm_config", "kv_cache_groups", "available_memory"),
+             "engine/context_fit.py asks vLLM's own estimate of each rank's longest request."),
+            (_KV_PLANNING, V033, "-033", "_max_memory_usage_bytes_from_groups",
+             ("builder", "vllm_config", "kv_cache_groups"),
+             "The KV grouping patch (kv-groups-without-padding-033) prices a grouping with it."),
         )
     ),
     # --- vLLM config attributes read through getattr (with a default that hides a rename) ---
@@ -507,6 +545,21 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         remove_when="the hybrid-block-size-every-stage patch goes",
         params=("cls", "vllm_config"),
         issue="#6",
+    ),
+    Intervention(
+        name="find-non-ssm-backends",
+        kind=PRIVATE_API,
+        target="vllm.platforms.interface:Platform._find_non_ssm_backends",
+        processes=(WORKER,),
+        vllm_versions=V031_033,
+        why=(
+            "find-non-ssm-backend under its vLLM 0.31+ name: a list of the stage's distinct "
+            "non-SSM attention backends, empty for none (patches/platforms_interface.py)."
+        ),
+        upstream=_NO_HOOK,
+        remove_when="the hybrid-block-size-every-stage patch goes",
+        params=("cls", "vllm_config"),
+        issue="#16",
     ),
     Intervention(
         name="possible-fp8-block-kernels",

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 from conftest import registry_patch
-from vllm_dualgpu.patching.core import ALREADY, APPLIED, apply_patch, revert_patch
+from vllm_dualgpu.patching.core import ALREADY, APPLIED, apply_patch, revert_patch, version_in_range
 from vllm_dualgpu.process import ACTIVE_ENV
 
 
@@ -94,6 +94,9 @@ def patched(vllm_version):
     from vllm.model_executor.models.qwen3_dflash import DFlashQwen3Model
 
     patches = [registry_patch(n) for n in NAMES]
+    if not all(version_in_range(vllm_version, p.vllm_versions) for p in patches):
+        pytest.skip("fixed upstream in vLLM 0.31.0 (qwen3_dflash.py _build_context_kv_buffers); "
+                    "these tests drive the patch's code path")
     for p in patches:
         assert apply_patch(p, vllm_version).status in (APPLIED, ALREADY)
     yield DFlashQwen3Model

@@ -41,7 +41,9 @@ def isolated(monkeypatch, caplog):
     # Whatever the installed release, the plugin takes it as supported here (the last test
     # checks an unsupported one).
     monkeypatch.setattr(plugin, "installed_vllm_version", lambda: VERSION)
-    monkeypatch.setattr(plugin, "SUPPORTED_VLLM", f"=={VERSION}")
+    from vllm_dualgpu import support
+
+    monkeypatch.setattr(support, "SUPPORTED_VLLM", f"=={VERSION}")
     monkeypatch.setattr(iv, "INTERVENTIONS", ())
     caplog.set_level(logging.INFO, logger="vllm.dualgpu")
     logging.getLogger("vllm.dualgpu").propagate = True
