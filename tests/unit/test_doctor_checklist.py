@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from vllm_dualgpu._version import SUPPORTED_VLLM
 from vllm_dualgpu.cli import doctor, main
 from vllm_dualgpu.nvml import VisibleGpu
 from vllm_dualgpu.patching import core, registry
@@ -21,7 +22,7 @@ NMS = "target vllm.model_executor.models.x:Y not found: operator torchvision::nm
 
 
 def _patch(name, target="vllm.model_executor.models.x:Y"):
-    return Patch(name=name, target=target, processes=("worker",), vllm_versions=">=0.30.0,<0.31",
+    return Patch(name=name, target=target, processes=("worker",), vllm_versions=SUPPORTED_VLLM,
                  why="w", upstream="u", remove_when="r", factory="m:f", params=())
 
 

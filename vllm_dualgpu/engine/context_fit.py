@@ -20,10 +20,10 @@ def per_rank_max_len(vllm_config, kv_cache_specs, available: list[int]) -> list[
     """vLLM's estimate of the longest request each rank's KV budget holds (None: no KV).
 
     The groups are vLLM's for the whole model; each release's estimators are called through
-    :mod:`vllm_dualgpu.patches.kv_cache_utils` (0.32 changed the block-size helper, 0.33 moved
+    :mod:`vllm_dualgpu.engine.vllm_kv` (0.32 changed the block-size helper, 0.33 moved
     them to ``kv_cache_planning`` behind the platform's KV config builder).
     """
-    from vllm_dualgpu.patches import kv_cache_utils as kv
+    from vllm_dualgpu.engine import vllm_kv as kv
 
     groups = kv.model_kv_cache_groups(vllm_config, kv_cache_specs)
     out: list[int | None] = []

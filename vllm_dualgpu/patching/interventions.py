@@ -124,10 +124,17 @@ def _check_target(item: Intervention) -> Finding:
     return Finding(item, HOLDS)
 
 
+def for_release(vllm_version: str, items: tuple[Intervention, ...] | None = None) -> tuple[Intervention, ...]:
+    """The interventions whose range holds ``vllm_version``."""
+    items = INTERVENTIONS if items is None else items
+    return tuple(i for i in items if version_in_range(vllm_version, i.vllm_versions))
+
+
 def check_all(vllm_version: str, kinds: frozenset[str] | None = None,
               items: tuple[Intervention, ...] | None = None) -> list[Finding]:
-    """The finding of every intervention (of the processes ``kinds``, when given)."""
-    items = INTERVENTIONS if items is None else items
+    """The finding of every intervention for this release (of the processes ``kinds``, when
+    given); an entry for other releases (another API of the same assumption) is not this run's."""
+    items = for_release(vllm_version, items)
     if kinds is not None:
         items = tuple(i for i in items if kinds.intersection(i.processes))
     return [check_intervention(i, vllm_version) for i in items]
@@ -137,7 +144,8 @@ def doctor_lines(vllm_version: str) -> tuple[list[str], list[Finding]]:
     """``vllm-dualgpu doctor``'s section and every finding: one line counting, per kind, the
     interventions that hold, then one line for each that does not (with its reason)."""
     findings = []
-    for item in INTERVENTIONS:
+    here = for_release(vllm_version)
+    for item in here:
         try:
             findings.append(check_intervention(item, vllm_version))
         except Exception as exc:  # a module that fails to import in an unexpected way
@@ -147,7 +155,8 @@ def doctor_lines(vllm_version: str) -> tuple[list[str], list[Finding]]:
     lines = [
         f"Other interventions for vLLM {vllm_version} (checked at a dualgpu run's start; "
         "docs/patches.md lists them):",
-        f"  holds    {len(holding)} of {len(findings)}" + (f" ({counts})" if counts else ""),
+        f"  holds    {len(holding)} of {len(findings)}" + (f" ({counts})" if counts else "")
+        + (f"; {len(INTERVENTIONS) - len(here)} more for other vLLM releases" if len(here) < len(INTERVENTIONS) else ""),
     ]
     width = max((len(f.intervention.name) for f in findings if f.status != HOLDS), default=0)
     for f in findings:

@@ -61,11 +61,16 @@ def test_doctor_counts_what_holds_and_lists_what_does_not(monkeypatch):
     from vllm_dualgpu.cli import doctor
 
     monkeypatch.setattr(doctor, "gpu_lines", lambda: (["GPUs: none visible (test)"], []))
-    findings = [check_intervention(i, VERSION) for i in INTERVENTIONS]
+    from vllm_dualgpu.patching.interventions import for_release
+
+    here = for_release(VERSION)
+    findings = [check_intervention(i, VERSION) for i in here]
     holding = [f for f in findings if f.status == HOLDS]
     lines, _ = doctor.report()
     start = next(n for n, line in enumerate(lines) if line.startswith("Other interventions for vLLM"))
-    assert lines[start + 1].startswith(f"  holds    {len(holding)} of {len(INTERVENTIONS)}")
+    assert lines[start + 1].startswith(f"  holds    {len(holding)} of {len(here)}")
+    if len(here) < len(INTERVENTIONS):
+        assert lines[start + 1].endswith(f"; {len(INTERVENTIONS) - len(here)} more for other vLLM releases")
     others = lines[start + 2:start + 2 + len(findings) - len(holding)]
     for line, f in zip(others, [f for f in findings if f.status != HOLDS]):
         assert line.split()[0] == f.status.split()[0] and f" {f.intervention.name} " in line
