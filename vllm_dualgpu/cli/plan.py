@@ -288,6 +288,15 @@ def _stock_line(s, part_text: str) -> str:
     return head + at + best + "."
 
 
+def _support_notes() -> list[str]:
+    """Said when the installed vLLM is one the dualgpu backend refuses (as doctor says it)."""
+    from vllm_dualgpu.support import CHECKED_RELEASES, installed_vllm_version, unsupported_reason
+
+    version = installed_vllm_version()
+    reason = unsupported_reason(version) if version is not None else None
+    return [f"{reason}; this plan assumes vLLM {CHECKED_RELEASES[-1]}"] if reason else []
+
+
 def request_from_args(args, model, gpus):
     """The PlanRequest of these ``vllm serve``-style arguments: the executor builds the same one
     from the VllmConfig of the same command (engine/planning.plan_request), and both take what
@@ -355,6 +364,7 @@ def run(args) -> int:
             args.kv_cache_dtype = "auto"
         model = P.ModelSpec.from_hf_config(cfg, weight_format=args.weight_format, quantization=args.quantization)
         gpus, notes = _gpus(args, bool(args.model or args.model_opt))
+        notes += _support_notes()
 
         req = request_from_args(args, model, gpus)
     except _Fail as e:

@@ -60,9 +60,12 @@ def in_force(name: str, version: str, patches=None) -> bool:
 def runtime_assumptions(vllm_version: str | None = None, patches=None) -> RuntimeAssumptions:
     """The assumptions for ``vllm_version`` (default: the installed vLLM, else the newest
     supported release, which a fresh install gets)."""
-    from vllm_dualgpu.support import CHECKED_RELEASES, installed_vllm_version
+    from vllm_dualgpu.support import CHECKED_RELEASES, installed_vllm_version, is_supported
 
-    version = vllm_version or installed_vllm_version() or CHECKED_RELEASES[-1]
+    installed = installed_vllm_version()
+    if installed is not None and not is_supported(installed):
+        installed = None  # the dualgpu backend refuses it: plan for what a fresh install gets
+    version = vllm_version or installed or CHECKED_RELEASES[-1]
     kv = all(in_force(n, version, patches) for n in ("kv-groups-know-ranks", "kv-groups-without-padding"))
     return RuntimeAssumptions(
         vllm_version=version,

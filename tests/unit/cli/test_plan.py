@@ -192,3 +192,16 @@ def test_gpus_without_reserve_get_the_executors_default(capsys, monkeypatch):
     rc, out, _ = run_cli(capsys, "--gpus", "RTX 4070 Ti SUPER,RTX 5090", "--json")
     ranks = {r["gpu"]["name"]: r["gpu"]["reserve_bytes"] for r in json.loads(out)["plan"]["ranks"]}
     assert ranks == {"RTX 4070 Ti SUPER": 512 << 20, "RTX 5090": 0}
+
+
+def test_an_unsupported_vllm_is_said_and_the_plan_assumes_the_newest(monkeypatch, capsys):
+    """plan says what doctor says about a vLLM the dualgpu backend refuses (issue 16)."""
+    from vllm_dualgpu import support
+    from vllm_dualgpu.patching.runtime import runtime_assumptions
+
+    monkeypatch.setattr(support, "installed_vllm_version", lambda: "0.34.0")
+    rc, out, _ = run_cli(capsys, "--max-model-len", "8192")
+    assert rc == 0
+    assert "Note: vllm-dualgpu 0.1.0 supports vLLM >=0.30.0,<0.34, found 0.34.0" in out
+    assert f"this plan assumes vLLM {support.CHECKED_RELEASES[-1]}" in out
+    assert runtime_assumptions().vllm_version == support.CHECKED_RELEASES[-1]
