@@ -67,6 +67,30 @@ def _gib(n: int | float) -> str:
     return f"{n / GiB:.2f} GiB"
 
 
+def external_weight_bytes(load_config, vllm_config) -> int:
+    """Weights an external process holds on this GPU for vLLM 0.32+ (its model loader's
+    ``get_external_weight_memory``); 0 where the loader has none or vLLM predates it."""
+    from vllm.model_executor.model_loader import get_model_loader
+
+    loader = get_model_loader(load_config)
+    ask = getattr(loader, "get_external_weight_memory", None)
+    return int(ask(vllm_config) or 0) if ask is not None else 0
+
+
+def refuse_external_weights(load_config, vllm_config) -> None:
+    """vLLM 0.32+ lets a model loader keep the weights in another process and charges them to
+    the utilization budget. The dualgpu worker budgets free memory itself and has not been
+    shown with such a loader: say so instead of vLLM's "Externally held weights ... exceed the
+    desired GPU memory utilization" (its check meets the worker's 1e-6 utilization)."""
+    held = external_weight_bytes(load_config, vllm_config)
+    if held > 0:
+        raise ValueError(
+            f"vllm-dualgpu: this model loader holds {_gib(held)} of weights outside the worker "
+            "process, which the dualgpu worker does not support yet; load the weights in the "
+            "worker (the default loaders do) or use --distributed-executor-backend mp"
+        )
+
+
 class DualGpuWorker(Worker):
     def __init__(self, *args, **kwargs):
         # Forked workers (vLLM's default outside `vllm serve`) skip general plugins: apply the
@@ -75,6 +99,7 @@ class DualGpuWorker(Worker):
         super().__init__(*args, **kwargs)
 
     def init_device(self):
+        refuse_external_weights(self.load_config, self.vllm_config)
         # vLLM refuses to boot when free < utilization x total. The real budget is set right
         # after the snapshot below, so pass that check with the smallest legal share first.
         self.cache_config.gpu_memory_utilization = 1e-6

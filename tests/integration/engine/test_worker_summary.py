@@ -201,3 +201,21 @@ def test_a_failing_broadcast_warm_up_is_a_warning_not_a_crash(monkeypatch, caplo
     _warm(monkeypatch, 1, _FakeDist(RuntimeError("ncclInvalidUsage: no algorithm for Broadcast")))
     (msg,) = [r.getMessage() for r in caplog.records if "broadcast" in r.getMessage()]
     assert "ncclInvalidUsage" in msg and "allreduce:tree" in msg and "VLLM_BATCH_INVARIANT" in msg
+
+
+def test_weights_held_outside_the_worker_are_refused_with_the_reason(monkeypatch):
+    """vLLM 0.32+: a loader that keeps weights in another process would meet the worker's
+    utilization of 1e-6 in vLLM's start check; the worker says what is unsupported instead."""
+    from vllm.config import LoadConfig, VllmConfig
+
+    import vllm.model_executor.model_loader as loaders
+
+    class External:
+        def get_external_weight_memory(self, vllm_config):
+            return 3 * GiB
+
+    assert w.external_weight_bytes(LoadConfig(), VllmConfig()) == 0  # vLLM's default loader
+    w.refuse_external_weights(LoadConfig(), VllmConfig())  # nothing to refuse
+    monkeypatch.setattr(loaders, "get_model_loader", lambda load_config: External())
+    with pytest.raises(ValueError, match=r"holds 3.00 GiB of weights outside the worker process"):
+        w.refuse_external_weights(LoadConfig(), VllmConfig())
