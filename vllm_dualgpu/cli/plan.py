@@ -341,6 +341,18 @@ def request_from_args(args, model, gpus):
     )
 
 
+def _print_error(e, as_json: bool) -> None:
+    """A refusal: one line on stderr, or its fields as JSON on stdout."""
+    if as_json:
+        err = {"error": type(e).__name__, "message": str(e)}
+        for k in ("largest_fitting_max_model_len", "requested", "rank", "gpu_name", "short_bytes", "partition"):
+            if hasattr(e, k):
+                err[k] = getattr(e, k)
+        print(json.dumps(err, indent=2))
+    else:
+        print(f"vllm-dualgpu plan: {e}", file=sys.stderr)
+
+
 def run(args) -> int:
     from vllm_dualgpu import planner as P
 
@@ -375,23 +387,19 @@ def run(args) -> int:
         return 2 if isinstance(e, P.BadRequest) else 1
 
     try:
-        p = P.plan(model, gpus, req)
-        if p.passthrough:  # one GPU or -pp 1: stock vLLM on the first GPU, which must hold it all
-            p = P.check_stock(model, gpus, req)
+        f = P.fit(model, gpus, req)
+        if f.plan.passthrough:  # one GPU or -pp 1: stock vLLM on the first GPU, which must hold it all
+            f = P.fit_stock(model, gpus, req)
     except P.PlanError as e:
-        if args.json:
-            err = {"error": type(e).__name__, "message": str(e)}
-            for k in ("largest_fitting_max_model_len", "requested", "rank", "gpu_name", "short_bytes", "partition"):
-                if hasattr(e, k):
-                    err[k] = getattr(e, k)
-            print(json.dumps(err, indent=2))
-        else:
-            print(f"vllm-dualgpu plan: {e}", file=sys.stderr)
-            best = getattr(e, "best_plan", None)
-            if best is not None:
-                print(f"\nThe plan at --max-model-len {best.max_model_len:,}:\n", file=sys.stderr)
-                print(best.table(), file=sys.stderr)
+        _print_error(e, args.json)
         return 2 if isinstance(e, P.BadRequest) else 1
+    if not f.fits:
+        _print_error(f.error, args.json)
+        if not args.json:
+            print(f"\nThe plan at --max-model-len {f.plan.max_model_len:,}:\n", file=sys.stderr)
+            print(f.plan.table(), file=sys.stderr)
+        return 1
+    p = f.plan
 
     stock = None
     if not p.passthrough:

@@ -193,21 +193,21 @@ CONTEXT_MARGIN = 0.05
 
 
 def plan_or_explain(model, facts, request):
-    from vllm_dualgpu.planner import ContextTooLong, plan
+    from vllm_dualgpu.planner import fit
 
-    try:
-        return plan(model, facts, request)
-    except ContextTooLong as exc:
-        if exc.best_plan is None or exc.largest_fitting_max_model_len < (1 - CONTEXT_MARGIN) * exc.requested:
-            raise
-        logger.warning(
-            "vllm-dualgpu: --max-model-len %s is predicted to need %.1f%% more KV cache than "
-            "fits (largest predicted %s); continuing with that split, vLLM's measurement after "
-            "profiling decides",
-            f"{exc.requested:,}", 100.0 * (exc.requested / max(exc.largest_fitting_max_model_len, 1) - 1),
-            f"{exc.largest_fitting_max_model_len:,}",
-        )
-        return exc.best_plan
+    f = fit(model, facts, request)
+    if f.fits:
+        return f.plan
+    if f.largest_max_model_len < (1 - CONTEXT_MARGIN) * f.requested_max_model_len:
+        raise f.error
+    logger.warning(
+        "vllm-dualgpu: --max-model-len %s is predicted to need %.1f%% more KV cache than "
+        "fits (largest predicted %s); continuing with that split, vLLM's measurement after "
+        "profiling decides",
+        f"{f.requested_max_model_len:,}", 100.0 * (f.requested_max_model_len / max(f.largest_max_model_len, 1) - 1),
+        f"{f.largest_max_model_len:,}",
+    )
+    return f.plan
 
 
 def _write_plan_file(result, ranked: list[VisibleGpu]) -> None:

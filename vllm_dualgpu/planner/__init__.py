@@ -31,12 +31,15 @@ from vllm_dualgpu.planner.kv import KVLayout
 from vllm_dualgpu.planner.memory import MemoryModel
 from vllm_dualgpu.planner.model import DrafterSpec, ModelSpec
 from vllm_dualgpu.planner.search import (
+    Fit,
     Plan,
     PlanRequest,
     RankPlan,
     StockEstimate,
     check_stock,
     even_partition,
+    fit,
+    fit_stock,
     plan,
     stock_estimate,
 )
@@ -58,6 +61,7 @@ __all__ = [
     "check_stock",
     "ContextTooLong",
     "DrafterSpec",
+    "Fit",
     "FormatResolver",
     "GpuFacts",
     "KNOWN_GPUS",
@@ -74,6 +78,8 @@ __all__ = [
     "UnsupportedModel",
     "WeightFormat",
     "even_partition",
+    "fit",
+    "fit_stock",
     "lookup",
     "parse_gpus",
     "parse_size",

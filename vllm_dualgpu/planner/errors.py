@@ -28,8 +28,9 @@ class ContextTooLong(PlanError):
     """The requested ``--max-model-len`` does not fit on any split.
 
     ``largest_fitting_max_model_len`` is the largest value that does fit (0 when even one token
-    does not; then :class:`ModelDoesNotFit` is raised instead). ``best_plan`` is the plan that
-    reaches it, with ``max_model_len`` lowered to that value.
+    does not; then :class:`ModelDoesNotFit` is raised instead). The message names the layer split
+    that reaches it (the ``partition`` argument). The plan at that length is not carried here:
+    :func:`vllm_dualgpu.planner.fit` returns it (``Fit.plan``) without raising.
     """
 
     def __init__(
@@ -37,15 +38,14 @@ class ContextTooLong(PlanError):
         largest_fitting_max_model_len: int,
         requested: int,
         *,
-        best_plan=None,
+        partition: list[int] | tuple[int, ...] | None = None,
         hint: str = "",
     ) -> None:
         self.largest_fitting_max_model_len = largest_fitting_max_model_len
         self.requested = requested
-        self.best_plan = best_plan
         where = ""
-        if best_plan is not None and len(best_plan.partition) > 1:
-            where = f" (layer split {'/'.join(map(str, best_plan.partition))})"
+        if partition is not None and len(partition) > 1:
+            where = f" (layer split {'/'.join(map(str, partition))})"
         msg = (
             f"--max-model-len {requested:,} does not fit: the largest that fits is "
             f"{largest_fitting_max_model_len:,}{where}; lower --max-model-len to at most "

@@ -225,6 +225,32 @@ class Plan:
         return plan_table(self)
 
 
+@dataclass(frozen=True)
+class Fit:
+    """Whether the requested ``--max-model-len`` fits, and the largest that does.
+
+    ``plan`` is the plan at the requested length when it fits, else the plan at the largest
+    length that fits (on the split that reaches it). ``requested_max_model_len`` is the length
+    asked for (the model's maximum when none was given; ``None`` for ``-1``/auto, which always
+    fits); ``largest_max_model_len`` is the largest any split holds, capped at the model's
+    maximum unless ``VLLM_ALLOW_LONG_MAX_MODEL_LEN`` is set (for a pass-through plan, the first
+    GPU's informative estimate, and ``fits`` is True: vLLM runs as stock and decides).
+    """
+
+    plan: Plan
+    fits: bool
+    requested_max_model_len: int | None
+    largest_max_model_len: int
+
+    @property
+    def error(self) -> ContextTooLong | None:
+        """The :class:`ContextTooLong` to raise when it falls short; ``None`` when it fits."""
+        if self.fits:
+            return None
+        assert self.requested_max_model_len is not None
+        return ContextTooLong(self.largest_max_model_len, self.requested_max_model_len, partition=self.plan.partition)
+
+
 @dataclass
 class StockEstimate:
     """What stock vLLM 0.30 would do: CUDA order, even split, one ``--gpu-memory-utilization``."""
@@ -558,16 +584,32 @@ def _orders(gpus: list[GpuFacts], fixed: bool) -> list[tuple[int, ...]]:
     return [tuple(g.index for g in p) + (last.index,) for p in perms]
 
 
-def plan(
-    model: ModelSpec, gpus: list[GpuFacts], request: PlanRequest | None = None, *, _check_stock: bool = False
-) -> Plan:
+def plan(model: ModelSpec, gpus: list[GpuFacts], request: PlanRequest | None = None) -> Plan:
     """Plan GPU order, layer split and KV pool for ``model`` on ``gpus``.
 
     Raises :class:`ContextTooLong` (with the largest ``--max-model-len`` that fits),
     :class:`ModelDoesNotFit` (which rank is short, by how much) or :class:`BadRequest`. With one
     GPU or ``pp_size=1`` it returns a pass-through plan (``passthrough=True``,
-    ``partition_env() is None``) and raises nothing: vLLM then runs as stock.
+    ``partition_env() is None``) and raises nothing: vLLM then runs as stock. :func:`fit` is the
+    same search answering "falls short" with the plan at the largest that fits instead.
     """
+    return _fit_or_raise(fit(model, gpus, request))
+
+
+def _fit_or_raise(f: Fit) -> Plan:
+    error = f.error
+    if error is not None:
+        raise error
+    return f.plan
+
+
+def fit(
+    model: ModelSpec, gpus: list[GpuFacts], request: PlanRequest | None = None, *, _check_stock: bool = False
+) -> Fit:
+    """:func:`plan`, with a requested ``--max-model-len`` that no split holds answered, not
+    raised: ``Fit(fits=False)`` with the plan at the largest length that fits. Raises
+    :class:`ModelDoesNotFit` (not even one request fits) and :class:`BadRequest` as :func:`plan`
+    does, never :class:`ContextTooLong`."""
     request = request or PlanRequest()
     if not gpus:
         raise BadRequest("no GPUs to plan for")
@@ -582,7 +624,8 @@ def plan(
     L = model.num_layers
 
     if (request.pp_size == 1 or len(gpus) == 1) and not _check_stock:
-        return _passthrough(model, gpus, request)
+        p = _passthrough(model, gpus, request)
+        return Fit(p, True, None if request.max_model_len == -1 else p.max_model_len, p.max_context_tokens)
     if request.pp_size > len(gpus):
         raise BadRequest(
             f"--pipeline-parallel-size {request.pp_size} needs {request.pp_size} GPUs; {len(gpus)} given"
@@ -660,21 +703,22 @@ def plan(
         )
     # vLLM caps --max-model-len at the model's maximum unless VLLM_ALLOW_LONG_MAX_MODEL_LEN is set
     cap = model.max_position_embeddings if not allow_long_max_model_len() else max(c.max_ctx for c in fitting)
+    best = max(fitting, key=lambda c: (min(c.max_ctx, cap), c.num_blocks))
+    largest = min(best.max_ctx, cap)
     if target is not None:
         feasible = [c for c in fitting if c.max_ctx >= target]
         if not feasible:
-            best = max(fitting, key=lambda c: (min(c.max_ctx, cap), c.num_blocks))
-            largest = min(best.max_ctx, cap)
             dt = decode_tokens if request.decode_context_tokens is not None else min(decode_tokens, largest)
-            best_plan = _make_plan(ctx, best, largest, dt, overrides, notes, len(cands), auto_fit=False)
-            raise ContextTooLong(largest, target, best_plan=best_plan)
+            at_largest = _make_plan(ctx, best, largest, dt, overrides, notes, len(cands), auto_fit=False)
+            return Fit(at_largest, False, target, largest)
     else:
         feasible = fitting
     chosen = _select(feasible, request.objective, auto_fit)
     final_len = target if target is not None else min(chosen.max_ctx, cap)
     if auto_fit and request.decode_context_tokens is None:
         decode_tokens = final_len  # predict decode at the context it fitted, not the model's maximum
-    return _make_plan(ctx, chosen, final_len, decode_tokens, overrides, notes, len(cands), auto_fit)
+    chosen_plan = _make_plan(ctx, chosen, final_len, decode_tokens, overrides, notes, len(cands), auto_fit)
+    return Fit(chosen_plan, True, target, largest)
 
 
 def check_stock(model: ModelSpec, gpus: list[GpuFacts], request: PlanRequest | None = None) -> Plan:
@@ -683,17 +727,26 @@ def check_stock(model: ModelSpec, gpus: list[GpuFacts], request: PlanRequest | N
     (with the largest ``--max-model-len`` that fits) where :func:`plan` would only report
     informative numbers. ``vllm-dualgpu plan`` uses it; the executor does not (a stock run is
     never refused by this package)."""
+    return _fit_or_raise(fit_stock(model, gpus, request))
+
+
+def fit_stock(model: ModelSpec, gpus: list[GpuFacts], request: PlanRequest | None = None) -> Fit:
+    """:func:`check_stock` as a :class:`Fit`: falling short is answered with the first GPU's
+    plan at the largest ``--max-model-len`` it holds (as the search makes it), not raised."""
     request = request or PlanRequest()
     if not gpus:
         raise BadRequest("no GPUs to plan for")
     gpu = min(gpus, key=lambda g: g.index)
     req1 = replace(request, pp_size=1, layer_partition=None, gpu_order=None)
-    p = plan(model, [gpu], req1, _check_stock=True)
+    f = fit(model, [gpu], req1, _check_stock=True)
+    if not f.fits:
+        return f
+    p = f.plan
     why = "pipeline_parallel_size=1" if request.pp_size == 1 else "one GPU"
     p.notes.insert(0, f"{why}: vLLM runs as stock (no GPU order, split or memory changes)")
     p.passthrough = True
     p.request = request
-    return p
+    return f
 
 
 def allow_long_max_model_len() -> bool:

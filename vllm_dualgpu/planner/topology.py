@@ -21,10 +21,10 @@ import itertools
 import re
 from dataclasses import dataclass, field, replace
 
-from vllm_dualgpu.planner.errors import BadRequest, ContextTooLong, ModelDoesNotFit, PlanError
+from vllm_dualgpu.planner.errors import BadRequest, ModelDoesNotFit, PlanError
 from vllm_dualgpu.planner.gpus import GpuFacts, parse_gpus
 from vllm_dualgpu.planner.model import ModelSpec
-from vllm_dualgpu.planner.search import POOL_TOLERANCE, Plan, PlanRequest, plan
+from vllm_dualgpu.planner.search import POOL_TOLERANCE, Fit, Plan, PlanRequest, fit, plan
 from vllm_dualgpu.planner.topology_shard import shard_config, tp_extra_reserve
 from vllm_dualgpu.planner.topology_speed import LinkModel, StageSpeed, step_ms, throughput
 
@@ -439,11 +439,11 @@ def _stage_card(stage: tuple[Card, ...], index: int, extra_reserve: int) -> GpuF
                    nvlink=all(c.gpu.nvlink for c in stage) if len(stage) > 1 else g.nvlink)
 
 
-def _one_plan(model: ModelSpec, gpus: list[GpuFacts], req: PlanRequest) -> Plan:
-    """``plan()``, with the single-stage case (which ``plan()`` passes through to stock vLLM
+def _one_fit(model: ModelSpec, gpus: list[GpuFacts], req: PlanRequest) -> Fit:
+    """``fit()``, with the single-stage case (which ``plan()`` passes through to stock vLLM
     without checking) held to the same fit rules."""
     if len(gpus) > 1:
-        return plan(model, gpus, req)
+        return fit(model, gpus, req)
     p = plan(model, gpus, replace(req, pp_size=1))
     if not p.ranks:
         raise ModelDoesNotFit(0, gpus[0].name, 1, what="; ".join(p.notes))
@@ -452,12 +452,12 @@ def _one_plan(model: ModelSpec, gpus: list[GpuFacts], req: PlanRequest) -> Plan:
     if r.kv_budget_bytes < need:
         raise ModelDoesNotFit(0, gpus[0].short_name, need - r.kv_budget_bytes)
     largest = min(p.kv_max_context_tokens, model.max_position_embeddings)
-    if req.max_model_len == -1 or largest < p.max_model_len:
+    if req.max_model_len == -1:
+        return Fit(plan(model, gpus, replace(req, pp_size=1, max_model_len=largest)), True, None, largest)
+    if largest < p.max_model_len:
         at_largest = plan(model, gpus, replace(req, pp_size=1, max_model_len=largest))
-        if req.max_model_len == -1:
-            return at_largest
-        raise ContextTooLong(largest, p.max_model_len, best_plan=at_largest)
-    return p
+        return Fit(at_largest, False, p.max_model_len, largest)
+    return Fit(p, True, p.max_model_len, largest)
 
 
 def _stage_speeds(p: Plan, tp: int, context: int) -> list[StageSpeed]:
@@ -507,20 +507,27 @@ def plan_replica(
             by_host[h].sort(key=lambda j: (cards[j].budget_bytes, cards[j].total_bytes, j))
         orders = [[j for h in perm for j in by_host[h]] for perm in itertools.permutations(hosts)]
     base = replace(request, pp_size=len(cards), layer_partition=None, gpu_order=None)
-    plans, errors = [], []
+    plans: list[Plan] = []
+    short: list[Fit | PlanError] = []  # in order tried: falls short (a Fit) or does not fit at all
     for order in orders:
         try:
-            plans.append(_one_plan(shard, cards, replace(base, gpu_order=order)))
+            f = _one_fit(shard, cards, replace(base, gpu_order=order))
         except PlanError as e:
-            errors.append(e)
+            short.append(e)
+            continue
+        if f.fits:
+            plans.append(f.plan)
+        else:
+            short.append(f)
     if not plans:
-        e = min(errors, key=lambda x: -getattr(x, "largest_fitting_max_model_len", -1))
-        rp.reason = str(e)
-        if isinstance(e, ContextTooLong):
-            rp.largest_fitting_max_model_len = e.largest_fitting_max_model_len
-            if e.best_plan is not None:
-                rp.plan = e.best_plan
-                rp.stage_of_rank = [layout.stages[i] for i in e.best_plan.order]
+        closest = max(short, key=lambda o: o.largest_max_model_len if isinstance(o, Fit) else -1)
+        if isinstance(closest, Fit):
+            rp.reason = str(closest.error)
+            rp.largest_fitting_max_model_len = closest.largest_max_model_len
+            rp.plan = closest.plan
+            rp.stage_of_rank = [layout.stages[i] for i in closest.plan.order]
+        else:
+            rp.reason = str(closest)
         return rp
 
     def hops_of(p: Plan) -> list[bool]:

@@ -117,7 +117,7 @@ def test_context_too_long_reports_the_largest_that_fits(tiny):
     assert e.value.largest_fitting_max_model_len == 2784
     assert e.value.requested == 4096
     assert "the largest that fits is 2,784" in str(e.value) and "--max-model-len 4,096 does not fit" in str(e.value)
-    assert e.value.best_plan.partition == [1, 3]
+    assert "2,784 (layer split 1/3);" in str(e.value)  # the split that reaches it (Fit.plan holds its plan)
     assert plan(tiny, pair(), req(max_model_len=2784)).max_context_tokens == 2784
     with pytest.raises(ContextTooLong):
         plan(tiny, pair(), req(max_model_len=2785))

@@ -1,0 +1,54 @@
+"""The executor's planning step reads a short context from ``fit()``: within 5% of the largest
+that fits it goes ahead with the plan at that length (vLLM's profiling decides), further off
+it raises the planner's ContextTooLong.
+
+The tiny 4-layer model on a 4 MiB + 8 MiB pair holds one request of 2,784 tokens (worked out by
+hand in tests/unit/planner/test_fit.py): 2,784 >= 0.95 x 2,930 = 2,783.5, but < 0.95 x 2,931.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from vllm_dualgpu.engine.planning import plan_or_explain
+from vllm_dualgpu.log import logger
+from vllm_dualgpu.planner import ContextTooLong, GpuFacts, MemoryModel, ModelSpec, PlanRequest
+
+MIB = 1 << 20
+GIB = 1 << 30
+ZERO = MemoryModel(
+    cuda_context_bytes=0, workspace_bytes=0, cudagraph_bytes=0, activation_element_bytes=0, sampler_bytes_per_logit=0,
+    pp_comms_first_bytes=0, pp_comms_last_bytes=0, pp_comms_pcie_bytes=0,
+)
+TINY = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 256, "intermediate_size": 512,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024,
+    "max_position_embeddings": 4096, "torch_dtype": "bfloat16", "tie_word_embeddings": False,
+}
+PAIR = [GpuFacts(0, "A", 16 * GIB, 4 * MIB), GpuFacts(1, "B", 16 * GIB, 8 * MIB)]
+
+
+@pytest.fixture
+def tiny():
+    return ModelSpec.from_hf_config(TINY)
+
+
+def test_fits_returns_the_plan_at_the_requested_length(tiny):
+    p = plan_or_explain(tiny, PAIR, PlanRequest(max_model_len=2048, memory=ZERO))
+    assert p.max_model_len == 2048 and p.partition == [1, 3]
+
+
+def test_just_short_goes_ahead_with_the_largest_and_warns(tiny, caplog, monkeypatch):
+    monkeypatch.setattr(logger, "propagate", True)
+    caplog.set_level(logging.WARNING, logger=logger.name)
+    p = plan_or_explain(tiny, PAIR, PlanRequest(max_model_len=2930, memory=ZERO))
+    assert p.max_model_len == 2784 and p.partition == [1, 3]
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any("--max-model-len 2,930 is predicted to need" in m and "largest predicted 2,784" in m for m in msgs), msgs
+
+
+def test_further_short_raises_context_too_long(tiny):
+    with pytest.raises(ContextTooLong, match=r"--max-model-len 2,931 does not fit: the largest that fits is 2,784 \(layer split 1/3\)"):
+        plan_or_explain(tiny, PAIR, PlanRequest(max_model_len=2931, memory=ZERO))
