@@ -235,6 +235,15 @@ def largest_context(lines: list[str]) -> int | None:
     return None
 
 
+def predicted_used_gib(plan: dict) -> list[float | None]:
+    """The plan's memory per GPU (weights + fixed costs + KV cache), by GPU index (PCI order),
+    next to the measured peaks."""
+    used: list[float | None] = [None, None]
+    for r in plan.get("ranks", []):
+        used[r["gpu"]["index"]] = round((r["weights_bytes"] + r["fixed_bytes"] + r["kv_cache_bytes"]) / GiB, 3)
+    return used
+
+
 def run_arm(arm: Arm, out: Path, job, timeout: float) -> dict:
     from memory_sweep import NvmlSampler
 
@@ -254,6 +263,7 @@ def run_arm(arm: Arm, out: Path, job, timeout: float) -> dict:
     if plan_file.exists():
         r["plan"] = json.loads(plan_file.read_text())
         r["partition"] = r["plan"].get("partition")
+        r["predicted_used_gib"] = predicted_used_gib(r["plan"])
     elif "VLLM_PP_LAYER_PARTITION" in arm.env:
         r["partition"] = [int(x) for x in arm.env["VLLM_PP_LAYER_PARTITION"].split(",")]
     if not r["booted"]:
@@ -271,8 +281,8 @@ def fmt(x, spec: str = "") -> str:
 
 def table(results: list[dict]) -> str:
     rows = ["| arm | split | boots | boot (s) | KV pool (tokens) | largest context | TTFT 32K / 250K (s) | "
-            "decode ms/step short / 32K / 250K | 2nd turn of 33K, TTFT (s) | peak GPU0 / GPU1 (GiB) |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+            "decode ms/step short / 32K / 250K | 2nd turn of 33K, TTFT (s) | peak GPU0 / GPU1 (GiB) | "
+            "predicted GPU0 / GPU1 (GiB) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         d = {k: r.get(k) if isinstance(r.get(k), dict) else {} for k in ("short", "mid", "long", "second_turn")}
         rows.append(
@@ -280,7 +290,8 @@ def table(results: list[dict]) -> str:
             f"{fmt(r.get('boot_s'))} | {fmt(r.get('kv_tokens'), ',')} | {fmt(r.get('largest_context'), ',')} | "
             f"{fmt(d['mid'].get('ttft_s'))} / {fmt(d['long'].get('ttft_s'))} | "
             f"{' / '.join(fmt(d[k].get('decode_ms_per_step')) for k in ('short', 'mid', 'long'))} | "
-            f"{fmt(d['second_turn'].get('second_turn_ttft_s'))} | {' / '.join(f'{x:.2f}' for x in r['peak_used_gib'])} |")
+            f"{fmt(d['second_turn'].get('second_turn_ttft_s'))} | {' / '.join(f'{x:.2f}' for x in r['peak_used_gib'])} | "
+            f"{' / '.join(fmt(x, '.2f') for x in r.get('predicted_used_gib') or [None, None])} |")
     ranks = [f"    {r['name']}: {line.split('] ', 1)[-1]}" for r in results for line in r.get("rank_lines", [])]
     if ranks:
         rows += ["", "Per-rank lines (predicted vs vLLM's profile):", "", *ranks]
@@ -495,7 +506,7 @@ def main() -> int:
     total = gpu_total_gib()
     if args.speed:
         lo, hi = map(int, args.sweep.split(","))
-        speed_main(out, quants[0], total, range(lo, hi + 1, 2))
+        speed_main(out / "speed", quants[0], total, range(lo, hi + 1, 2))
         return 0
     with ballast(FREE, out / "logs"):
         for q in quants:

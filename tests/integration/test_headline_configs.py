@@ -216,3 +216,25 @@ def test_largest_context_reads_vllms_and_the_plugins_refusals():
     assert hl.largest_context(["ValueError: ... the estimated maximum model length is 117504. Try"]) == 117504
     assert hl.largest_context(["does not fit ... rerun with --max-model-len 201,728 or less"]) == 201728
     assert hl.largest_context(["ValueError: out of memory"]) is None
+
+
+def test_predicted_memory_is_placed_by_gpu_index_not_rank():
+    """The plugin reorders (the 32 GiB card, GPU 1, may be rank 0): each rank's prediction goes to
+    its GPU's column, next to that GPU's measured peak."""
+    rank = lambda gpu, w, f, kv: {"gpu": {"index": gpu}, "weights_bytes": w, "fixed_bytes": f, "kv_cache_bytes": kv}
+    gib = 1024**3
+    plan = {"ranks": [rank(1, 20 * gib, 2 * gib, 8 * gib), rank(0, 10 * gib, gib, 3 * gib)]}
+    assert hl.predicted_used_gib(plan) == [14.0, 30.0]
+    assert hl.predicted_used_gib({}) == [None, None]
+
+
+def test_the_table_has_a_row_per_arm():
+    r = {"name": "fp8/plugin", "booted": True, "boot_s": 100.0, "kv_tokens": 300_000, "largest_context": 262144,
+         "partition": [20, 44], "peak_used_gib": [14.5, 30.25], "predicted_used_gib": [14.0, 30.0],
+         "mid": {"ttft_s": 9.5, "decode_ms_per_step": 30.0}, "short": {"decode_ms_per_step": 29.0}}
+    refused = {"name": "fp8/stock-default", "booted": False, "kv_tokens": None, "largest_context": None,
+               "peak_used_gib": [0.0, 0.0]}
+    lines = hl.table([r, refused]).splitlines()
+    assert lines[2] == ("| fp8/plugin | 20/44 | yes | 100.0 | 300,000 | 262,144 | 9.5 / - | 29.0 / 30.0 / - | - | "
+                        "14.50 / 30.25 | 14.00 / 30.00 |")
+    assert lines[3].startswith("| fp8/stock-default | even | no | - | - |")
