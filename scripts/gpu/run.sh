@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks on the GPU machine, results under OUTDIR:
 #
-#     bash scripts/gpu/run.sh OUTDIR [tests] [memory] [soak] [fp8] [-- PYTEST_ARGS...]
+#     bash scripts/gpu/run.sh OUTDIR [tests] [memory] [soak] [fp8] [headline] [-- PYTEST_ARGS...]
 #
 # Run from this checkout after staging vLLM (source the staging step's environment first, or name
 # it in STAGING_ENV). Installs this checkout next to vLLM once per source tree (into DUALGPU_SITE,
@@ -12,9 +12,12 @@
 #   memory  benchmarks/memory_sweep.py OUTDIR/memory   (table, JSON, plot)
 #   soak    benchmarks/soak.py OUTDIR/soak             (longer than 10 min: start it with setsid nohup)
 #   fp8     benchmarks/fp8_tuning.py OUTDIR/fp8        (tuned files, default-vs-tuned table)
+#   headline benchmarks/headline.py OUTDIR/headline $HEADLINE_ARGS (two GPUs; all arms take about
+#           two hours: start it with setsid nohup, or pass e.g. HEADLINE_ARGS="--quants fp8 --arms plugin"
+#           per call; each call adds its arms to OUTDIR/headline/headline.{json,md})
 # Each step ends its own processes (gpu_harness.stop_group, also on STEP_LIMIT's SIGTERM). Exit 1 if a step failed.
 set -uo pipefail
-OUTDIR=${1:?usage: run.sh OUTDIR [tests] [memory] [soak] [fp8] [-- PYTEST_ARGS...]}
+OUTDIR=${1:?usage: run.sh OUTDIR [tests] [memory] [soak] [fp8] [headline] [-- PYTEST_ARGS...]}
 shift
 steps=() pytest_args=()
 while [ $# -gt 0 ]; do
@@ -46,7 +49,10 @@ for step in "${steps[@]}"; do
     memory) timeout -k 10 "${STEP_LIMIT:-580}" python3 benchmarks/memory_sweep.py "$OUTDIR/memory"; rc=$? ;;
     soak) timeout -k 10 "${STEP_LIMIT:-1320}" python3 benchmarks/soak.py "$OUTDIR/soak"; rc=$? ;;
     fp8) timeout -k 10 "${STEP_LIMIT:-330}" python3 benchmarks/fp8_tuning.py "$OUTDIR/fp8"; rc=$? ;;
-    *) echo "unknown step $step (tests, memory, soak, fp8)" >&2; rc=2 ;;
+    # shellcheck disable=SC2086  # HEADLINE_ARGS is a list of options
+    headline) timeout -k 10 "${STEP_LIMIT:-9000}" python3 benchmarks/headline.py "$OUTDIR/headline" \
+                ${HEADLINE_ARGS:-}; rc=$? ;;
+    *) echo "unknown step $step (tests, memory, soak, fp8, headline)" >&2; rc=2 ;;
   esac
   echo "=== $step rc=$rc"
   [ $rc -eq 0 ] || status=1

@@ -298,20 +298,68 @@ def write_vision_model(out: Path) -> Path:
     """``Qwen3_5ForConditionalGeneration``: the spec-hybrid text model without MTP and a 2-block
     vision encoder, dummy weights; a tokenizer with the four vision tokens (their ids in
     config.json) and the HF processor files vLLM's profiling needs offline."""
-    from transformers import AutoTokenizer
-
-    out.mkdir(parents=True, exist_ok=True)
-    write_tokenizer(out, VISION_TEXT_CONFIG["vocab_size"])
-    tok = AutoTokenizer.from_pretrained(str(out))
-    tok.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
-    tok.save_pretrained(str(out))
-    ids = {key: tok.convert_tokens_to_ids(t) for key, t in zip(TOKEN_KEYS, VISION_TOKENS)}
+    ids = write_vision_files(out, VISION_TEXT_CONFIG["vocab_size"])
     config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
               "text_config": VISION_TEXT_CONFIG, "vision_config": VISION_CONFIG, **ids,
               "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
     (out / "config.json").write_text(json.dumps(config, indent=1))
-    (out / "preprocessor_config.json").write_text(json.dumps(IMAGE_PROCESSOR, indent=1))
-    (out / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PROCESSOR, indent=1))
+    return out
+
+
+def write_vision_files(out: Path, vocab_size: int, max_pixels: int = 512 * 512) -> dict[str, int]:
+    """A tokenizer with the four vision tokens and the HF processor files vLLM's profiling needs
+    offline (images up to ``max_pixels``); returns the tokens' ids under their config.json keys."""
+    from transformers import AutoTokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(out, vocab_size)
+    tok = AutoTokenizer.from_pretrained(str(out))
+    tok.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
+    tok.save_pretrained(str(out))
+    size = {"size": {**IMAGE_PROCESSOR["size"], "longest_edge": max_pixels}}
+    (out / "preprocessor_config.json").write_text(json.dumps({**IMAGE_PROCESSOR, **size}, indent=1))
+    (out / "video_preprocessor_config.json").write_text(json.dumps({**VIDEO_PROCESSOR, **size}, indent=1))
+    return {key: tok.convert_tokens_to_ids(t) for key, t in zip(TOKEN_KEYS, VISION_TOKENS)}
+
+
+# --- the bundled 27B reference shapes in the reference setup's weight formats (dummy weights) ---
+
+# W8A16 as compressed-tensors writes it (int8 weights, one scale per output channel), skipping
+# what the bundled FP8 config skips (lm_head, the vision tower, the GDN in_proj_a/b, mtp.fc).
+W8A16_GROUP = {"targets": ["Linear"], "input_activations": None, "output_activations": None,
+               "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel",
+                           "group_size": None, "dynamic": False, "actorder": None, "observer": "minmax"}}
+# ModelOpt's NVFP4 (W4A4, groups of 16); vLLM runs it on SM 9.0 only through weight-only kernels.
+NVFP4 = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}
+REFERENCE_QUANTS = ("w8a16", "fp8", "nvfp4")
+
+
+def reference_quant_config(quant: str, fp8: dict) -> dict:
+    """The ``quantization_config`` of the reference shapes in ``quant``, from the bundled FP8 one."""
+    skip = list(fp8["modules_to_not_convert"])
+    if quant == "fp8":
+        return dict(fp8)
+    if quant == "w8a16":
+        return {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                "quantization_status": "compressed", "config_groups": {"group_0": W8A16_GROUP}, "ignore": skip}
+    if quant == "nvfp4":
+        return {**NVFP4, "exclude_modules": skip}
+    raise ValueError(f"quant {quant!r}: use one of {', '.join(REFERENCE_QUANTS)}")
+
+
+def write_reference_model(out: Path, quant: str, tokenizer: bool = True) -> Path:
+    """The bundled Qwen3.8-27B-class reference config (vision tower, one MTP layer) with the
+    ``quant`` weight format, for load_format="dummy"; with ``tokenizer`` a tokenizer carrying the
+    vision tokens (their ids replace the config's) and processor files for images up to 4 MP."""
+    from vllm_dualgpu.planner import reference_config
+
+    cfg = reference_config("qwen3.8-27b")
+    cfg.pop("_vllm_dualgpu", None)
+    cfg["quantization_config"] = reference_quant_config(quant, cfg["quantization_config"])
+    out.mkdir(parents=True, exist_ok=True)
+    if tokenizer:
+        cfg.update(write_vision_files(out, cfg["text_config"]["vocab_size"], max_pixels=2048 * 2048))
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
     return out
 
 
