@@ -40,8 +40,9 @@ if ! "$builder/bin/pip" wheel -q --no-deps -w "$VENVS/dist" "$ROOT"; then
     exit 1
 fi
 wheel=$(ls "$VENVS"/dist/vllm_dualgpu-*.whl)
-# The static checks read sources only: the wheel without its dependencies is enough for them.
-"$builder/bin/pip" install -q --no-deps --force-reinstall "$wheel" packaging >&2 || fail "wheel install for the static checks"
+# The static checks read sources only: the wheel without its dependencies is enough for them,
+# and capstone for the sm hook's coverage analysis of each release's library.
+"$builder/bin/pip" install -q --no-deps --force-reinstall "$wheel" packaging capstone >&2 || fail "wheel install for the static checks"
 checker=$builder/bin/python
 
 # venv VERSION TORCH: a venv with vLLM VERSION on torch TORCH and this wheel; prints its path.

@@ -103,7 +103,6 @@ def test_every_arm_builds_in_vllm(engine_config, models, monkeypatch, quant):
     the plugin's front-end checks with their split."""
     from vllm.config import CacheConfig
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.multimodal import MULTIMODAL_REGISTRY
 
     expected_q = {"w8a16": "compressed-tensors", "fp8": "fp8", "nvfp4": "modelopt_fp4"}[quant]
     for arm in hl.arm_specs(quant, models[quant], total_gib=TOTAL, chosen=CHOSEN):
@@ -122,7 +121,7 @@ def test_every_arm_builds_in_vllm(engine_config, models, monkeypatch, quant):
             # the vision tower is on: the target takes images (the MTP drafter's copy does not)
             assert cfg.model_config.multimodal_config is not None, arm.name
             assert not cfg.model_config.multimodal_config.language_model_only, arm.name
-            assert MULTIMODAL_REGISTRY.supports_multimodal_inputs(cfg.model_config), arm.name
+            assert cfg.model_config.is_multimodal_model, arm.name
             assert cc.enable_prefix_caching, arm.name
             if arm.kind == "expert":
                 assert (cc.block_size, cc.num_gpu_blocks_override) == (1664, 180)

@@ -70,6 +70,9 @@ def aligned_split():
 
     sched = types.SimpleNamespace(
         cache_config=types.SimpleNamespace(block_size=BS),
+        block_size=BS,  # vLLM 0.33 reads the scheduler's own block size too
+        num_hash_lookahead_tokens=0,  # and its lookahead hashes (none without a setting)
+        mamba_shared_prefix_checkpoint=False,  # (0.33: only with partial cache hits, off here)
         use_eagle_block_drop=True,
         hash_block_size=BS,
         mamba_has_prefill_checkpoint_blocks=False,  # GDN has no prefill checkpoint blocks

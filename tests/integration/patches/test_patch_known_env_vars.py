@@ -11,6 +11,15 @@ from conftest import apply_registry_patch
 from vllm_dualgpu.patching.core import revert_patch
 
 
+@pytest.fixture(autouse=True)
+def only_where_it_applies(vllm_version):
+    from vllm_dualgpu.patching.registry import for_version
+
+    if for_version("known-env-vars", vllm_version).name != "known-env-vars":
+        pytest.skip(f"vLLM {vllm_version} has validate_environ on Platform: "
+                    "test_patch_known_env_vars_031.py")
+
+
 @pytest.fixture
 def validate(vllm_version):
     import vllm.envs
