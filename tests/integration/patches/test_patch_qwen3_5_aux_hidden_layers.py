@@ -1,17 +1,6 @@
-"""Issue #6, item 4: the Qwen3-Next/Qwen3.5 decoder relays auxiliary hidden states across PP
-stages, so vLLM accepts EAGLE3/DFlash drafters under PP for these models.
-
-vLLM's real classes, functions and patched forward are used throughout. The decoder layers are
-not: Gated DeltaNet layers need Triton kernels (no CPU path), so each decoder instance is built
-without ``__init__`` and given tiny torch layers and a norm with the same call signature
-(``layer(positions=, hidden_states=, residual=) -> (hidden_states, residual)``); everything the
-relay touches (the forward, vLLM's ``EagleModelMixin``, the runner's eagle3 utilities and
-``PPHandler.relay_aux_hidden_states``) is vLLM's or the patch's own code. The PP group is a
-stand-in (``parallel_state._PP``), as in tests/integration/patches/test_patch_{pp_inflight_batches,drafter_shares_target_embed,kv_groups_without_padding,vision_tower_first_rank_only}.py.
-
-``vllm.model_executor.models.qwen3_5`` imports a transformers module that needs torchvision;
-the ``qwen3_5`` fixture (conftest.py) makes vLLM's Qwen3.5 classes load without it.
-"""
+"""qwen3-5-aux-hidden-layers: one of the patches that relay auxiliary hidden states across PP stages for
+Qwen3-Next/Qwen3.5 (issue #6, item 4). How the tests are built, and what is vLLM's own: the
+docstring of tests/integration/patches/aux_relay.py, which holds the shared fixtures."""
 
 
 from __future__ import annotations
