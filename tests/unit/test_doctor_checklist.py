@@ -98,7 +98,9 @@ def test_no_gpu_fails_with_the_fix(monkeypatch, capsys):
 
 
 def test_unsupported_vllm_fails_with_the_install_command(gpus, monkeypatch, capsys):
-    monkeypatch.setattr(doctor, "installed_vllm", lambda: "0.29.0")
+    from vllm_dualgpu import support
+
+    monkeypatch.setattr(support, "installed_vllm_version", lambda: "0.29.0")
     monkeypatch.setattr(registry, "PATCHES", ())
     assert main(["doctor"]) == 1
     out = capsys.readouterr().out

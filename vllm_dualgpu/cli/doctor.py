@@ -102,15 +102,6 @@ def extension_lines() -> tuple[list[str], bool]:
     return [f"Native extension: vllm_dualgpu._C {version} importable, {hook}"], True
 
 
-def installed_vllm() -> str | None:
-    import importlib.metadata
-
-    try:
-        return importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def patch_lines(version: str, patches=None) -> tuple[list[str], list]:
     """One line per registry patch: would it apply to this vLLM (dry run)."""
     from vllm_dualgpu.patching.core import ALREADY, READY, check_patch
@@ -211,7 +202,9 @@ def report() -> tuple[list[str], int]:
     from vllm_dualgpu._version import SUPPORTED_VLLM, __version__
     from vllm_dualgpu.patching.core import SKIPPED, version_in_range
 
-    version = installed_vllm()
+    from vllm_dualgpu import support
+
+    version = support.installed_vllm_version()
     supported = version is not None and version_in_range(version, SUPPORTED_VLLM)
     head = f"vllm-dualgpu {__version__} doctor: vLLM {version or 'not installed'}"
     if not supported:
