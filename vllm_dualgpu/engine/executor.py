@@ -65,15 +65,12 @@ class DualGpuExecutor(MultiprocExecutor):
             os.environ.pop(ACTIVE_ENV, None)
             logger.info("vllm-dualgpu: %s, running as vLLM's multiprocess executor", why_not)
         else:
-            from vllm.platforms import current_platform
-
-            if not current_platform.is_cuda():
-                raise RuntimeError(
-                    f"vllm-dualgpu: the dualgpu executor needs NVIDIA GPUs, but vLLM runs on "
-                    f"its '{current_platform.device_name}' platform here. Use "
-                    "--distributed-executor-backend mp on this machine."
-                )
+            from vllm_dualgpu.engine import preflight
             from vllm_dualgpu.engine.planning import apply_plan
+
+            # The front end refuses this already when an engine starts; a config built on its
+            # own (no usage context) reaches the executor unchecked.
+            preflight.check_platform(self.parallel_config)
             from vllm_dualgpu.kernels.flashinfer import apply_flashinfer_autotune_policy
 
             # A dualgpu run does not start half-patched (required patches, interventions).
