@@ -16,10 +16,9 @@ from vllm_dualgpu.process import ACTIVE_ENV
 
 def planning_applies(parallel_config) -> str | None:
     """None when the dualgpu plan applies, else why the executor behaves like stock."""
+    # TP groups as pipeline stages are planned (planner/tp_stages.py); TP alone is stock vLLM's.
     if parallel_config.pipeline_parallel_size < 2:
         return "pipeline_parallel_size=1"
-    if parallel_config.tensor_parallel_size != 1:
-        return f"tensor_parallel_size={parallel_config.tensor_parallel_size} (plans cover TP=1)"
     if parallel_config.data_parallel_size != 1 or parallel_config.nnodes > 1:
         return "data parallel or multi-node runs"
     return None
