@@ -136,9 +136,9 @@ def apply_plan(vllm_config) -> AppliedPlan:
     # node), and the platform maps that device id through the list (platforms/interface.py:300
     # in 0.30.0, :303 in 0.33.0); ranks are stage x tp + tp_rank (planner/tp_stages.rank_cards).
     placed = stages.rank_cards(result.order)
-    ranked = [used[card.index] for _, _, card in placed]
+    ranked = [used[card.index] for _, _, card in placed]  # facts are indexed by position in used
     pc.assigned_physical_gpu_ids = [g.physical_id for g in ranked]
-    record = _handoff(result, placed, ranked, stages, user_partition)
+    record = _handoff(result, ranked, user_partition, stages)
     partition.export(record.partition if record.partition_source == "plan" else None)
     handoff.store(vllm_config, record)
     if pc.worker_cls == STOCK_WORKER:
@@ -178,9 +178,14 @@ def _settings(vllm_config) -> dict:
     return settings
 
 
-def _handoff(result, placed, ranked: list[VisibleGpu], stages, user_partition) -> handoff.Handoff:
+def _handoff(result, ranked: list[VisibleGpu], user_partition, stages=None) -> handoff.Handoff:
     """The per-rank record the workers read (see engine/handoff.py for what it may hold): one a
-    vLLM rank, each rank of a TP group with its stage's plan and its own card's reserve and cap."""
+    vLLM rank, each rank of a TP group with its stage's plan and its own card's reserve and cap
+    (``stages``: planner/tp_stages.TpStages; None: a pipeline of single cards)."""
+    if stages is not None:
+        placed, tp, extra = stages.rank_cards(result.order), stages.tp, stages.extra_reserve_bytes
+    else:
+        placed, tp, extra = [(p, 0, r.gpu) for p, r in enumerate(result.ranks)], 1, 0
     ranks = []
     for rank, ((stage, tp_rank, card), g) in enumerate(zip(placed, ranked)):
         r = result.ranks[stage]
@@ -195,12 +200,12 @@ def _handoff(result, placed, ranked: list[VisibleGpu], stages, user_partition) -
             # What vLLM's profile will charge besides the KV cache: the planner's fixed costs,
             # weights and reserves, less the CUDA context vLLM's start snapshot already holds,
             # plus what a TP rank needs beyond its shard (its stage card's extra reserve).
-            predicted_non_kv_bytes=r.budget_bytes - r.kv_budget_bytes - context + stages.extra_reserve_bytes,
+            predicted_non_kv_bytes=r.budget_bytes - r.kv_budget_bytes - context + extra,
             stage=stage,
             tp_rank=tp_rank,
         ))
     source = "user" if user_partition is not None else ("plan" if result.partition_env() else "even")
-    return handoff.Handoff(tuple(ranks), tuple(result.partition), source, stages.tp)
+    return handoff.Handoff(tuple(ranks), tuple(result.partition), source, tp)
 
 
 # A predicted shortfall this small is left to vLLM's measurement (the memory model is an estimate;

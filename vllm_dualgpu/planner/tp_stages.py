@@ -21,7 +21,7 @@ With ``tp == 1`` every card is its own stage and nothing changes from a plain pi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from vllm_dualgpu.planner.errors import BadRequest
 from vllm_dualgpu.planner.gpus import GpuFacts
@@ -35,9 +35,10 @@ from vllm_dualgpu.planner.topology_shard import shard_config
 class TpStages:
     tp: int
     stages: tuple[tuple[GpuFacts, ...], ...]
-    """Each stage's cards (the given facts), stage ``j`` stood for by ``cards[j]``."""
+    """Each stage's cards (the given facts), in the order of their first cards."""
     cards: tuple[GpuFacts, ...]
-    """One card per stage (``index`` = the stage's position), what the planner is given."""
+    """One card per stage, what the planner is given; its ``index`` is the stage's first card's,
+    so a plan's ``order`` names each stage by its first card."""
     model: ModelSpec
     """The model as one TP rank sees it (the full model when ``tp == 1``)."""
     extra_reserve_bytes: int
@@ -51,7 +52,8 @@ class TpStages:
         (distributed/parallel_state.py:2052 in 0.30.0, :2158 in 0.33.0): with dp = pcp = 1,
         ``rank = pipeline_rank x tp + tp_rank``, and TP groups are consecutive ranks.
         """
-        return [(p, t, self.stages[s][t]) for p, s in enumerate(order) for t in range(self.tp)]
+        by_first = {s[0].index: s for s in self.stages}
+        return [(p, t, by_first[i][t]) for p, i in enumerate(order) for t in range(self.tp)]
 
 
 def too_few_cards(pp: int, tp: int, names: list[str]) -> str | None:
@@ -80,8 +82,8 @@ def group_stages(gpus: list[GpuFacts], pp: int, tp: int) -> list[tuple[GpuFacts,
         left = ", ".join(f"GPU {g.index} ({g.short_name}, {g.total_bytes / 1024**3:.0f} GiB)" for g in odd)
         raise BadRequest(
             f"mixed TP group: --tensor-parallel-size {tp} x --pipeline-parallel-size {pp} needs "
-            f"stages of {tp} cards of one kind, but on GPUs {', '.join(f'{g.index}:{g.short_name}' for g in used)} "
-            f"{left} would share a stage with a card of another kind; vLLM splits every layer "
+            f"stages of {tp} cards of one kind; of GPUs {', '.join(f'{g.index}:{g.short_name}' for g in used)}, "
+            f"{left} would share a stage with a card of another kind. vLLM splits every layer "
             "evenly over a TP group, so it would run at the smallest card's memory and the slowest "
             f"card's speed. Choose {tp} cards of one kind per stage with CUDA_VISIBLE_DEVICES, or "
             "use -tp 1 (one pipeline stage per card)."
@@ -106,4 +108,5 @@ def plan_stages(cfg: dict, gpus: list[GpuFacts], pp: int, tp: int, request: Plan
 
     wrapped = [tuple(Card("this host", g) for g in s) for s in stages]
     cards, notes, extra = stage_cards(full, shard, wrapped, tp, request)
+    cards = [replace(c, index=s[0].index) for c, s in zip(cards, stages)]
     return TpStages(tp, tuple(stages), tuple(cards), shard, extra, tuple(notes))
