@@ -388,7 +388,8 @@ def _tp_lines(stages, p) -> str:
     lines = [f"TP {stages.tp} groups as pipeline stages (the columns above are one TP rank of each "
              f"stage: weights and KV split 1/{stages.tp}, embedding and head vocabulary-parallel, "
              f"norms whole; each rank also keeps {stages.extra_reserve_bytes / 1024**3:.2f} GiB for "
-             "the full-vocabulary sampler and the TP group's NCCL buffers):"]
+             "the full-vocabulary sampler and the TP group's NCCL buffers; the GPU order above names "
+             "each stage by its first card):"]
     for st in range(len(p.order)):
         cards = [r for r in ranks if r["stage"] == st]
         lines.append(f"  stage {st}: " + " + ".join(f"rank {r['rank']} GPU {r['gpu']} {r['name']}" for r in cards))
@@ -456,7 +457,9 @@ def run(args) -> int:
         out = {"source": source, "plan": p.to_dict(), "stock": stock.to_dict() if stock else None,
                "command": command, "notes": notes}
         if stages is not None:
-            out["tp"] = {"size": stages.tp, "ranks": _tp_ranks(stages, p)}
+            ranks = _tp_ranks(stages, p)
+            out["tp"] = {"size": stages.tp, "ranks": ranks}
+            out["plan"]["cuda_visible_devices"] = ",".join(str(r["gpu"]) for r in ranks)  # every card, rank order
         print(json.dumps(out, indent=2))
         return 0
 
