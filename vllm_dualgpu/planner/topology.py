@@ -322,10 +322,8 @@ class ReplicaPlan:
         if self.pp == 1:
             tp = f" --tensor-parallel-size {self.tp}" if self.tp > 1 else ""
             return True, f"stock vLLM: vllm serve MODEL{tp}"
-        if self.tp == 1:
-            return True, f"vllm serve MODEL --pipeline-parallel-size {self.pp} --distributed-executor-backend dualgpu"
-        return False, (f"TP inside pipeline stages: not yet with the dualgpu executor; stock vLLM "
-                       f"(-tp {self.tp} -pp {self.pp}) runs it with an even split and one memory utilization")
+        tp = f" --tensor-parallel-size {self.tp}" if self.tp > 1 else ""
+        return True, f"vllm serve MODEL --pipeline-parallel-size {self.pp}{tp} --distributed-executor-backend dualgpu"
 
     def to_dict(self) -> dict:
         ok, how = self.serve_today()

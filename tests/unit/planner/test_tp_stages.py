@@ -110,3 +110,13 @@ def test_heads_or_kv_heads_tp_does_not_divide():
     six = dict(CFG, num_attention_heads=6, num_key_value_heads=3)
     with pytest.raises(BadRequest, match=r"does not divide the model's KV heads \(3\)"):
         plan_stages(six, [card(i) for i in range(4)], 2, 2, REQ)
+
+
+def test_the_fleet_report_serves_tp_stages_on_one_host_with_the_executor():
+    from vllm_dualgpu.planner.topology import parse_fleet, plan_fleet
+
+    fp = plan_fleet(CFG, parse_fleet("box=RTX 5090,RTX 4070 Ti SUPER,RTX 5090,RTX 4070 Ti SUPER"), REQ, tp_sizes=[2])
+    r = fp.get("host-tp2").replicas[0]
+    assert r.fits and r.pp == 2
+    assert r.serve_today() == (True, "vllm serve MODEL --pipeline-parallel-size 2 --tensor-parallel-size 2 "
+                                     "--distributed-executor-backend dualgpu")
