@@ -152,7 +152,7 @@ def test_13_pp1_behaves_like_stock():
 def test_14_tensor_parallel_alone_is_stock_and_with_pp_is_planned():
     pc = SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=2, data_parallel_size=1, nnodes=1)
     assert planning_applies(pc) == "pipeline_parallel_size=1"
-    pc.pipeline_parallel_size = 2  # TP groups as pipeline stages (tests/integration/engine/test_tp_stages.py)
+    pc.pipeline_parallel_size = 2  # TP groups as pipeline stages (tests/integration/engine/test_tp_stages_applied.py)
     assert planning_applies(pc) is None
 
 

@@ -76,9 +76,20 @@ def visible(monkeypatch, gpus):
     monkeypatch.setattr(apply, "read_visible_gpus", lambda: gpus)
 
 
-def test_equal_card_groups_in_vllm_rank_order(make_config, monkeypatch, caplog):
-    caplog.set_level(logging.INFO, logger="vllm.dualgpu")
-    logging.getLogger("vllm.dualgpu").propagate = True
+@pytest.fixture
+def logged(monkeypatch):
+    """What the plan application logs, through a logger of the test's own: vLLM 0.33 configures
+    its loggers when it first starts (dictConfig resets the handlers of vLLM's child loggers)."""
+    records: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda r: records.append(r.getMessage())
+    own = logging.Logger("tp-stages-test", logging.INFO)
+    own.addHandler(handler)
+    monkeypatch.setattr(apply, "logger", own)
+    return records
+
+
+def test_equal_card_groups_in_vllm_rank_order(make_config, monkeypatch, logged):
     visible(monkeypatch, [gpu(0), small(1), gpu(2), small(3)])  # two kinds, interleaved in PCI order
     cfg = make_config()
     applied = apply.apply_plan(cfg)
@@ -103,18 +114,16 @@ def test_equal_card_groups_in_vllm_rank_order(make_config, monkeypatch, caplog):
     assert record.rank(4) is None
     # The two ranks of a stage are predicted to carry the same non-KV costs.
     assert record.ranks[0].predicted_non_kv_bytes == record.ranks[1].predicted_non_kv_bytes > 0
-    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("vllm-dualgpu plan:"))
+    line = next(m for m in logged if m.startswith("vllm-dualgpu plan:"))
     assert line.startswith("vllm-dualgpu plan: TP 2 stages 1:NVIDIA GeForce RTX 4070 Ti SUPER")
     assert " + 3:NVIDIA GeForce RTX 4070 Ti SUPER" in line and " -> 0:NVIDIA GeForce RTX 5090" in line
 
 
-def test_equal_cards_with_less_free_are_planned_as_equals(make_config, monkeypatch, caplog):
-    caplog.set_level(logging.INFO, logger="vllm.dualgpu")
-    logging.getLogger("vllm.dualgpu").propagate = True
+def test_equal_cards_with_less_free_are_planned_as_equals(make_config, monkeypatch, logged):
     visible(monkeypatch, [gpu(0, free=30), gpu(1, free=20), gpu(2, free=30), gpu(3, free=30)])
-    applied = apply.apply_plan(make_config())
-    notes = [r.getMessage() for r in caplog.records]
-    assert "vllm-dualgpu: TP groups planned as equals at the smaller card's free memory" in notes
+    cfg = make_config()
+    applied = apply.apply_plan(cfg)
+    assert "vllm-dualgpu: TP groups planned as equals at the smaller card's free memory" in logged
     # The stage holding GPU 1 (20 GiB free) has the smaller budget, so it goes first.
     assert [g.physical_id for g in applied.gpus] == [0, 1, 2, 3]
     assert applied.plan.ranks[0].gpu.free_bytes == 20 * GiB
