@@ -158,7 +158,7 @@ def apply_plan(vllm_config) -> AppliedPlan:
         f"{result.num_blocks:,}",
         f"{result.max_context_tokens:,}",
     )
-    _write_plan_file(result, ranked)
+    _write_plan_file(result, ranked, [card.index for _, _, card in placed])
     return AppliedPlan(result, ranked)
 
 
@@ -232,7 +232,7 @@ def plan_or_explain(model, facts, request):
     return f.plan
 
 
-def _write_plan_file(result, ranked: list[VisibleGpu]) -> None:
+def _write_plan_file(result, ranked: list[VisibleGpu], positions: list[int]) -> None:
     """``VLLM_DUALGPU_PLAN_FILE=path``: keep the applied plan as JSON (for tools and tests)."""
     path = os.environ.get(envs.PLAN_FILE)
     if not path:
@@ -240,6 +240,9 @@ def _write_plan_file(result, ranked: list[VisibleGpu]) -> None:
     data = result.to_json()
     data = json.loads(data) if isinstance(data, str) else dict(data)
     data["physical_gpu_ids"] = [g.physical_id for g in ranked]
+    # every rank's card (its position among the visible GPUs): with TP stages the plan's own
+    # order names only each stage's first card
+    data["cuda_visible_devices"] = ",".join(map(str, positions))
     data["partition"] = list(result.partition)
     with open(path, "w") as f:
         json.dump(data, f, indent=1)

@@ -170,3 +170,17 @@ def test_kv_heads_tp_does_not_divide_is_refused_before_workers(make_config, monk
     six = dict(TINY, hidden_size=384, num_attention_heads=6, num_key_value_heads=3)
     msg = refusal(make_config, monkeypatch, [gpu(i) for i in range(4)], model=six)
     assert msg.startswith("tensor parallel size 2 does not divide the model's KV heads (3); vLLM refuses it")
+
+
+def test_physical_ids_and_positions_when_cuda_visible_devices_picks_cards(make_config, monkeypatch, tmp_path):
+    # As if CUDA_VISIBLE_DEVICES=4,5,6,7: vLLM is given NVML (physical) ids, the plan file also
+    # the positions among the visible cards, both in rank order.
+    visible(monkeypatch, [gpu(4), small(5), gpu(6), small(7)])
+    path = tmp_path / "plan.json"
+    monkeypatch.setenv(envs.PLAN_FILE, str(path))
+    cfg = make_config()
+    apply.apply_plan(cfg)
+    assert cfg.parallel_config.assigned_physical_gpu_ids == [5, 7, 4, 6]
+    data = json.loads(path.read_text())
+    assert data["physical_gpu_ids"] == [5, 7, 4, 6] and data["cuda_visible_devices"] == "1,3,0,2"
+    assert [r.physical_gpu_id for r in handoff.load(cfg).ranks] == [5, 7, 4, 6]
