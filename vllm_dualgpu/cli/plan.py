@@ -367,6 +367,9 @@ def _tp_stages(args, cfg: dict, gpus, req):
         raise _Fail("--tensor-parallel-size must be >= 1")
     if tp == 1:
         return None
+    if args.gpu_order:
+        raise _Fail(f"--gpu-order with -tp {tp}: the plan orders the TP stages (the executor does the "
+                    "same); choose the cards and their PCI order with --gpus")
     if req.pp_size < 2:
         raise _Fail(
             f"-tp {tp} with -pp {req.pp_size} is one TP group: stock vLLM's tensor parallelism "
