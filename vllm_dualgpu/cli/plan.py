@@ -425,7 +425,7 @@ def run(args) -> int:
         req = request_from_args(args, model, gpus)
         stages = _tp_stages(args, cfg, gpus, req)
         if stages is not None:
-            model, gpus = stages.model, list(stages.cards)
+            model, gpus, req = stages.model, list(stages.cards), stages.request
             notes += list(stages.notes)
     except _Fail as e:
         print(f"vllm-dualgpu plan: {e}", file=sys.stderr)

@@ -42,6 +42,9 @@ def speculative_dict(vllm_config) -> dict | None:
     if draft is not None and draft.model != vllm_config.model_config.model:
         out["model"] = draft.model
         out["draft_hf_config"] = draft.hf_config.to_dict()
+        # vLLM's resolved value: the target's TP size, or 1 (planner/tp_stages.py)
+        if getattr(sc, "draft_tensor_parallel_size", None):
+            out["draft_tensor_parallel_size"] = sc.draft_tensor_parallel_size
     return out
 
 
@@ -129,7 +132,7 @@ def apply_plan(vllm_config) -> AppliedPlan:
                          quantization=vllm_config.model_config.quantization)
     for note in stages.notes:
         logger.info("vllm-dualgpu: %s", note)
-    result = plan_or_explain(stages.model, list(stages.cards), request)
+    result = plan_or_explain(stages.model, list(stages.cards), stages.request)
 
     # vLLM's rank r runs on assigned_physical_gpu_ids[r]: the multiprocess executor gives worker
     # r local_rank r (v1/executor/multiproc_executor.py:190 in 0.30.0, :206 in 0.33.0; one

@@ -11,7 +11,8 @@ The rule (the executor and ``vllm-dualgpu plan -tp N`` both apply it, docs/topol
   free memory: "planned as equals at the smaller card's free memory"), on the model as one TP
   rank sees it (:mod:`topology_shard`: attention, KV and MLP sharded 1/tp, vocabulary-parallel
   embedding and head, norms whole, KV heads replicated when fewer than ``tp``), charged what a
-  TP rank needs beyond that (:func:`topology_shard.tp_extra_reserve`);
+  TP rank needs beyond that (:func:`topology_shard.tp_extra_reserve`); a drafter with a
+  checkpoint of its own is sharded the same way (vLLM runs it at the target's TP size);
 * the planner orders the stages as it orders single cards (the stage with the most memory last:
   it holds the output head), and vLLM numbers the cards ``rank = stage x tp + tp_rank``
   (:func:`rank_cards`).
@@ -27,7 +28,7 @@ from vllm_dualgpu.planner.errors import BadRequest
 from vllm_dualgpu.planner.gpus import GpuFacts
 from vllm_dualgpu.planner.model import ModelSpec
 from vllm_dualgpu.planner.search import PlanRequest
-from vllm_dualgpu.planner.topology import Host, group_host, stage_cards
+from vllm_dualgpu.planner.topology import Card, Host, group_host, stage_cards
 from vllm_dualgpu.planner.topology_shard import shard_config
 
 
@@ -43,6 +44,8 @@ class TpStages:
     """The model as one TP rank sees it (the full model when ``tp == 1``)."""
     extra_reserve_bytes: int
     """What each TP rank is charged beyond its shard config (0 when ``tp == 1``)."""
+    request: PlanRequest
+    """The request to plan the stages with: the given one, its drafter's config sharded."""
     notes: tuple[str, ...] = ()
 
     def rank_cards(self, order: list[int]) -> list[tuple[int, int, GpuFacts]]:
@@ -102,11 +105,25 @@ def plan_stages(cfg: dict, gpus: list[GpuFacts], pp: int, tp: int, request: Plan
     stages = group_stages(gpus, pp, tp)
     full = ModelSpec.from_hf_config(cfg, **model_kw)
     if tp == 1:
-        return TpStages(1, tuple(stages), tuple(s[0] for s in stages), full, 0)
+        return TpStages(1, tuple(stages), tuple(s[0] for s in stages), full, 0, request)
     shard = ModelSpec.from_hf_config(shard_config(cfg, tp), **model_kw)
-    from vllm_dualgpu.planner.topology import Card
-
     wrapped = [tuple(Card("this host", g) for g in s) for s in stages]
     cards, notes, extra = stage_cards(full, shard, wrapped, tp, request)
     cards = [replace(c, index=s[0].index) for c, s in zip(cards, stages)]
-    return TpStages(tp, tuple(stages), tuple(cards), shard, extra, tuple(notes))
+    return TpStages(tp, tuple(stages), tuple(cards), shard, extra, _shard_drafter(request, tp), tuple(notes))
+
+
+def _shard_drafter(request: PlanRequest, tp: int) -> PlanRequest:
+    """The request with its drafter's own config (EAGLE3, DFlash, a draft model) as one rank of
+    the drafter's TP group holds it: vLLM runs the drafter at the target's TP size unless
+    ``draft_tensor_parallel_size`` is 1 (``SpeculativeConfig._verify_and_get_draft_tp``)."""
+    spec = request.speculative or {}
+    key = next((k for k in ("draft_config", "draft_hf_config") if spec.get(k)), None)
+    draft_tp = int(spec.get("draft_tensor_parallel_size") or tp)
+    if key is None or draft_tp == 1:
+        return request
+    try:
+        sharded = shard_config(spec[key], draft_tp)
+    except BadRequest as e:
+        raise BadRequest(f"the drafter: {e}") from None
+    return replace(request, speculative={**spec, key: sharded})

@@ -120,3 +120,28 @@ def test_the_fleet_report_serves_tp_stages_on_one_host_with_the_executor():
     assert r.fits and r.pp == 2
     assert r.serve_today() == (True, "vllm serve MODEL --pipeline-parallel-size 2 --tensor-parallel-size 2 "
                                      "--distributed-executor-backend dualgpu")
+
+
+EAGLE3 = {
+    "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": 256,
+    "intermediate_size": 512, "num_hidden_layers": 1, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024, "draft_vocab_size": 512,
+    "max_position_embeddings": 4096, "torch_dtype": "bfloat16",
+}
+
+
+def with_drafter(**extra):
+    from dataclasses import replace
+
+    return replace(REQ, speculative={"method": "eagle3", "num_speculative_tokens": 2, "draft_config": EAGLE3, **extra})
+
+
+def test_a_drafter_is_sharded_at_the_targets_tp_unless_told_1():
+    d = plan_stages(CFG, interleaved(), 2, 2, with_drafter()).request.speculative["draft_config"]
+    assert (d["num_attention_heads"], d["num_key_value_heads"], d["intermediate_size"]) == (2, 1, 256)
+    assert EAGLE3["num_attention_heads"] == 4  # the caller's config is left alone
+    kept = plan_stages(CFG, interleaved(), 2, 2, with_drafter(draft_tensor_parallel_size=1)).request
+    assert kept.speculative["draft_config"] is EAGLE3
+    odd = dict(EAGLE3, num_attention_heads=3, num_key_value_heads=3, head_dim=64)
+    with pytest.raises(BadRequest, match=r"^the drafter: tensor parallel size 2 does not divide the model's attention heads \(3\)"):
+        plan_stages(CFG, interleaved(), 2, 2, with_drafter(draft_config=odd))
