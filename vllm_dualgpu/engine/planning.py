@@ -30,7 +30,8 @@ GiB = 1024**3
 @dataclass
 class AppliedPlan:
     plan: object  # vllm_dualgpu.planner.Plan
-    gpus: list[VisibleGpu]  # in rank order
+    gpus: list[VisibleGpu]  # in vLLM's rank order
+    tp_size: int = 1  # each pipeline stage's TP group
 
 
 def speculative_dict(vllm_config) -> dict | None:
@@ -162,7 +163,7 @@ def apply_plan(vllm_config) -> AppliedPlan:
         f"{result.max_context_tokens:,}",
     )
     _write_plan_file(result, ranked, [card.index for _, _, card in placed])
-    return AppliedPlan(result, ranked)
+    return AppliedPlan(result, ranked, tp)
 
 
 def _gpu_text(g: VisibleGpu) -> str:

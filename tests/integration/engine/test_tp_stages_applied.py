@@ -98,7 +98,7 @@ def test_equal_card_groups_in_vllm_rank_order(make_config, monkeypatch, logged):
     # Stage 0 = the two 4070 Ti SUPERs (GPUs 1, 3), stage 1 = the two 5090s (GPUs 0, 2: the
     # stage with the most memory last); vLLM's rank r = stage x 2 + TP rank.
     assert pc.assigned_physical_gpu_ids == [1, 3, 0, 2]
-    assert [g.physical_id for g in applied.gpus] == [1, 3, 0, 2]
+    assert [g.physical_id for g in applied.gpus] == [1, 3, 0, 2] and applied.tp_size == 2
     split = applied.plan.partition
     assert os.environ["VLLM_PP_LAYER_PARTITION"] == f"{split[0]},{split[1]}"
     assert sum(split) == 4 and split[0] < split[1]
