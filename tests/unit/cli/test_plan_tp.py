@@ -56,3 +56,27 @@ def test_refusals_exit_2_with_one_line(capsys, argv, first):
     rc, out, err = run_cli(capsys, *argv)
     assert rc == 2 and out == ""
     assert err.startswith(f"vllm-dualgpu plan: {first}") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("model", [TINY, "reference"])
+def test_the_printed_serve_line_plans_the_same(capsys, tmp_path, model):
+    import shlex
+
+    if model == "reference":  # the bundled hybrid (Gated DeltaNet) model with a vision tower
+        from vllm_dualgpu.planner import reference_config
+
+        cfg = reference_config()
+        cfg.pop("_vllm_dualgpu")
+        (tmp_path / "config.json").write_text(json.dumps(cfg))
+        model = str(tmp_path)
+    gpus = "RTX 5090,RTX 5090,RTX 5090,RTX 5090"
+    rc = main(["plan", model, "-tp", "2", "--gpus", gpus, "--kv-cache-dtype", "fp8", "--max-model-len", "auto", "--json"])
+    first = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    words = shlex.split(first["command"])
+    assert words[:2] == ["vllm", "serve"] and "--tensor-parallel-size" in words
+    assert main(["plan", *words[2:], "--gpus", gpus, "--json"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    for key in ("partition", "num_blocks", "max_model_len", "cuda_visible_devices"):
+        assert again["plan"][key] == first["plan"][key], key
+    assert again["tp"] == first["tp"]
