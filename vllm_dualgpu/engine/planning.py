@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 
 from vllm_dualgpu import envs
-from vllm_dualgpu.engine import handoff, partition
+from vllm_dualgpu.engine import handoff, kv_pricing, partition
 from vllm_dualgpu.nvml import VisibleGpu, read_visible_gpus
 from vllm_dualgpu.log import logger
 
@@ -127,7 +127,11 @@ def apply_plan(vllm_config) -> AppliedPlan:
     user_partition = settings["user_partition"]
     caps = _utilization_caps(settings.get("gpu_memory_utilization"), [g.total_bytes for g in used])
     facts = to_gpu_facts(used, reserves_visible[: len(used)], caps)
-    result = plan_or_explain(model, facts, plan_request(vllm_config, user_partition))
+    request = plan_request(vllm_config, user_partition)
+    result = plan_or_explain(model, facts, request)
+    # Where vLLM is loaded its own (patched) KV functions price the split: plan and run agree.
+    result, _ = kv_pricing.reprice(
+        vllm_config, result, lambda layout: plan_or_explain(model, facts, request, kv_layout=layout))
 
     ranked = [used[i] for i in result.order]
     pc.assigned_physical_gpu_ids = [g.physical_id for g in ranked]
@@ -192,10 +196,10 @@ def _handoff(result, ranked: list[VisibleGpu], user_partition) -> handoff.Handof
 CONTEXT_MARGIN = 0.05
 
 
-def plan_or_explain(model, facts, request):
+def plan_or_explain(model, facts, request, kv_layout=None):
     from vllm_dualgpu.planner import fit
 
-    f = fit(model, facts, request)
+    f = fit(model, facts, request, kv_layout=kv_layout)
     if f.fits:
         return f.plan
     if f.largest_max_model_len < (1 - CONTEXT_MARGIN) * f.requested_max_model_len:
