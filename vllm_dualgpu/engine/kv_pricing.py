@@ -205,24 +205,26 @@ def reprice(vllm_config, plan, search: Callable) -> tuple[object, VllmPool | Non
     from vllm_dualgpu.engine.vllm_kv import groups_for_ranks
 
     mirror = plan.kv
-    try:
-        specs = layer_specs(vllm_config, mirror)
-    except NotPriceable as e:
-        logger.warning("vllm-dualgpu: KV cache priced by the planner's own arithmetic only: %s", e)
-        return plan, None
     tried: list[tuple[int, ...]] = []
     with _quiet(), _layout_resolved(vllm_config):
         for round_ in range(MAX_ROUNDS):
-            ranks = rank_specs(specs, mirror, plan.partition)
-            budgets = [r.kv_budget_bytes for r in plan.ranks]
-            groups = groups_for_ranks(vllm_config, ranks, budgets)
-            priced = mirror.regrouped(priced_groups(vllm_config, groups))
+            try:
+                specs = layer_specs(vllm_config, mirror)
+                ranks = rank_specs(specs, mirror, plan.partition)
+                budgets = [r.kv_budget_bytes for r in plan.ranks]
+                groups = groups_for_ranks(vllm_config, ranks, budgets)
+                priced = mirror.regrouped(priced_groups(vllm_config, groups))
+                pool = vllm_pool(vllm_config, groups, ranks, budgets)
+            except Exception as e:  # never a half-priced plan: the last whole one stands
+                why = str(e) if isinstance(e, NotPriceable) else f"{type(e).__name__}: {e}"
+                logger.warning("vllm-dualgpu: KV cache priced by the planner's own arithmetic "
+                               "only: %s", why)
+                return plan, None
             if (priced.same_grouping(plan.kv) or round_ == MAX_ROUNDS - 1
                     or tuple(plan.partition) in tried):
-                break  # the groups, ranks and budgets are this plan's
+                break  # the groups and the pool are this plan's
             tried.append(tuple(plan.partition))
             plan = search(priced)
-        pool = vllm_pool(vllm_config, groups, ranks, budgets)
     if not priced.same_grouping(mirror):
         logger.info(
             "vllm-dualgpu: KV cache priced with vLLM's grouping under this package's patches: "

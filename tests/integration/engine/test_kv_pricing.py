@@ -144,3 +144,22 @@ def test_layers_vllm_would_size_otherwise_keep_the_mirror(own_spec_drafter_confi
     assert plan is wrong and pool is None
     assert any("Gated DeltaNet state" in r.getMessage() and "planner's own arithmetic" in r.getMessage()
                for r in caplog.records)
+
+
+def test_a_failing_vllm_function_leaves_the_whole_mirror_plan(own_spec_drafter_config, monkeypatch, caplog):
+    from vllm_dualgpu.engine import vllm_kv
+
+    vc = own_spec_drafter_config
+    model = ModelSpec.from_hf_config(vc.model_config.hf_config.to_dict())
+    mirror = planning.plan_or_explain(model, parse_gpus(GPUS), planning.plan_request(vc, None))
+
+    def renamed(*a, **k):
+        raise AttributeError("module has no attribute '_project_kv_cache_groups_to_worker'")
+
+    monkeypatch.setattr(vllm_kv, "groups_for_ranks", renamed)
+    caplog.set_level(logging.WARNING, logger="vllm.dualgpu")
+    logging.getLogger("vllm.dualgpu").propagate = True
+    plan, pool = kv_pricing.reprice(vc, mirror, lambda layout: pytest.fail("searched again"))
+    assert plan is mirror and pool is None
+    assert any("planner's own arithmetic only: AttributeError" in r.getMessage() for r in caplog.records)
+    assert vc.cache_config.kv_cache_layout is None  # the stand-in layout was taken back
