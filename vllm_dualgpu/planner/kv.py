@@ -320,9 +320,15 @@ class KVLayout:
                 notes.append(
                     f"vLLM groups the {len(slots)} KV layers into {len(groups)} groups of "
                     f"{'/'.join(map(str, sizes))} layers; every block is sized for the largest group, "
-                    "so blocks held by smaller groups are partly unused (stock vLLM's grouping; "
-                    "the dualgpu executor prices the grouping its KV patches form with vLLM's own "
-                    "functions, and logs it where that differs)"
+                    "so blocks held by smaller groups are partly unused"
+                )
+            target_keys = {s.spec_key for s in raw_slots if s.layer_index is not None}
+            if any(s.layer_index is None and s.spec_key not in target_keys for s in raw_slots):
+                notes.append(
+                    "the drafter's attention layers have their own KV spec: stock vLLM then cuts "
+                    f"every group to their count ({len(groups)} groups here); with PP > 1 the "
+                    "dualgpu executor groups them with less padding (its KV patches) and prices "
+                    "that with vLLM's own functions, so the pool it logs can be larger than this"
                 )
 
         layout = cls(
