@@ -20,19 +20,15 @@ import pytest
 pytest.importorskip("vllm")
 
 from vllm_dualgpu.engine import kv_pricing, planning
-from vllm_dualgpu.planner import ModelSpec, parse_gpus
+from vllm_dualgpu.planner import ModelSpec, parse_gpus, reference_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "gpu"))
 import gpu_models
 
 GPUS = "RTX 4070 Ti SUPER:16GiB,RTX 5090:32GiB"
-DENSE = {
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 2560,
-    "intermediate_size": 9728, "num_hidden_layers": 36, "num_attention_heads": 32,
-    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
-    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000,
-    "torch_dtype": "bfloat16", "tie_word_embeddings": False,
-}
+# Qwen3-14B, the planner's bundled reference shapes (unquantized).
+DENSE = {k: v for k, v in reference_config("qwen3-14b").items()
+         if not k.startswith("_") and k != "quantization_config"}
 # An EAGLE3 drafter whose attention spec differs from the hybrid target's (4 KV heads x 64, the
 # target 2 x 128: the same bytes per token, another spec), as DFlash drafters next to Qwen3.5.
 OWN_SPEC_DRAFTER = {**gpu_models.EAGLE3_CONFIG, "num_key_value_heads": 4, "head_dim": 64}
