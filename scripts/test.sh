@@ -11,13 +11,20 @@
 #     this package has one.
 # Exits non-zero on any failure (pytest collecting no tests counts as one).
 #
-# Environment: TEST_VENVS (default .venvs/test) holds the venvs and downloaded wheels; a venv
-# that already has the right vLLM is reused. TEST_RELEASES_FULL / TEST_RELEASES_STATIC override
-# the release lists ("0.30.0:2.13.0 0.33.0:2.14.0" / "0.31.0 0.32.0"). Extra arguments go to
-# pytest.
+# Disk: the venvs are large (about 6 GB for 0.30.0 with the CPU torch, 10 GB for 0.33.0 with the
+# CUDA torch), so they are built one at a time without pip's cache and each is removed after its
+# suite; the peak is about 12 GB free on TEST_VENVS' filesystem, checked before each install.
+#
+# Environment: TEST_VENVS (default .venvs/test) holds the venvs and downloaded wheels.
+# TEST_KEEP_VENVS=1 keeps each venv after its suite, and a kept venv that already has the right
+# vLLM is reused. TEST_RELEASES_FULL / TEST_RELEASES_STATIC override the release lists
+# ("0.30.0:2.13.0 0.33.0:2.14.0" / "0.31.0 0.32.0"). Extra arguments go to pytest.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
+# pip's cache would hold a second copy of every wheel (GBs for the CUDA torch); nothing here
+# installs the same wheel twice.
+export PIP_NO_CACHE_DIR=1
 ROOT=$(pwd)
 VENVS=${TEST_VENVS:-$ROOT/.venvs/test}
 FULL=${TEST_RELEASES_FULL-"0.30.0:2.13.0 0.33.0:2.14.0"}
@@ -27,6 +34,8 @@ mkdir -p "$VENVS"
 start=$(date +%s)
 failures=()
 note_removed=0
+
+KEEP=${TEST_KEEP_VENVS:-0}
 
 step() { echo; echo "=== $* ($(( $(date +%s) - start )) s)"; }
 fail() { echo "FAILED: $*"; failures+=("$*"); }
@@ -45,12 +54,30 @@ wheel=$(ls "$VENVS"/dist/vllm_dualgpu-*.whl)
 "$builder/bin/pip" install -q --no-deps --force-reinstall "$wheel" packaging capstone >&2 || fail "wheel install for the static checks"
 checker=$builder/bin/python
 
+# free_gb: GB free on the filesystem that holds the venvs.
+free_gb() { df -Pk "$VENVS" | awk 'NR == 2 { printf "%d", $4 / 1048576 }'; }
+
+# need_disk GB WHAT: stop with the reason when less than GB is free for WHAT.
+need_disk() {
+    local have
+    have=$(free_gb)
+    if [ "$have" -lt "$1" ]; then
+        echo "not enough disk for $2: $have GB free on $(df -P "$VENVS" | awk 'NR == 2 { print $6 }'), about $1 GB needed" \
+             "(free some, or point TEST_VENVS at a larger disk)" >&2
+        return 1
+    fi
+}
+
 # venv VERSION TORCH: a venv with vLLM VERSION on torch TORCH and this wheel; prints its path.
 make_venv() {
     local version=$1 torch=$2 venv="$VENVS/vllm-$1" t0
     t0=$(date +%s)
     if [ "$("$venv/bin/python" -c 'import importlib.metadata as m; print(m.version("vllm"))' 2>/dev/null)" != "$version" ]; then
         rm -rf "$venv"
+        # The CUDA build of torch (and the NVIDIA libraries it loads) is about 6 GB installed
+        # and is unpacked from about 4 GB of downloaded wheels.
+        case $torch in 2.13.*) need=7 ;; *) need=12 ;; esac
+        need_disk $need "the vLLM $version venv" || return 1
         "$PYTHON" -m venv "$venv" || return 1
         # torch first and pinned: vLLM's pin alone would pull whatever build the index prefers.
         # 2.13.0 resolves to a CPU build where one is served; 2.14.0 only as the CUDA build,
@@ -59,7 +86,7 @@ make_venv() {
         echo "torch $torch: $(( $(date +%s) - t0 )) s" >&2
         # The test extra (pytest, pytest-timeout) and capstone (the sm hook coverage analysis).
         "$venv/bin/pip" install -q "vllm==$version" "pytest>=8" "pytest-timeout>=2" "capstone>=5" >&2 || return 1
-        echo "vLLM $version: $(( $(date +%s) - t0 )) s" >&2
+        echo "vLLM $version: $(( $(date +%s) - t0 )) s, $(du -sh "$venv" | cut -f1) in the venv, $(free_gb) GB left free" >&2
     fi
     "$venv/bin/pip" install -q --no-deps --force-reinstall "$wheel" >&2 || return 1
     if [ $note_removed = 0 ]; then
@@ -85,6 +112,7 @@ EOF
     "$py" -m vllm_dualgpu.kernels.sm_hook --coverage "$lib" || fail "sm hook coverage of $lib"
 }
 
+echo "disk: $(free_gb) GB free for the venvs"
 for pair in $FULL; do
     version=${pair%%:*} torch=${pair#*:}
     step "vLLM $version (torch $torch): installing"
@@ -105,6 +133,7 @@ for pair in $FULL; do
     rc=$?
     [ $rc = 5 ] && echo "pytest collected no tests"
     [ $rc = 0 ] || fail "suite on vLLM $version (pytest exit $rc)"
+    [ "$KEEP" = 1 ] || rm -rf "$venv"
 done
 
 for version in $STATIC; do

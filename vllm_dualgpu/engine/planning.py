@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 
 from vllm_dualgpu import envs
-from vllm_dualgpu.engine import handoff, partition
+from vllm_dualgpu.engine import handoff, kv_pricing, partition
 from vllm_dualgpu.nvml import VisibleGpu, read_visible_gpus
 from vllm_dualgpu.log import logger
 
@@ -133,7 +133,11 @@ def apply_plan(vllm_config) -> AppliedPlan:
                          quantization=vllm_config.model_config.quantization)
     for note in stages.notes:
         logger.info("vllm-dualgpu: %s", note)
-    result = plan_or_explain(stages.model, list(stages.cards), stages.request)
+    model, cards, request = stages.model, list(stages.cards), stages.request
+    result = plan_or_explain(model, cards, request)
+    # Where vLLM is loaded its own (patched) KV functions price the split: plan and run agree.
+    result, _ = kv_pricing.reprice(
+        vllm_config, result, lambda layout: plan_or_explain(model, cards, request, kv_layout=layout))
 
     # vLLM's rank r runs on assigned_physical_gpu_ids[r]: the multiprocess executor gives worker
     # r local_rank r (v1/executor/multiproc_executor.py:190 in 0.30.0, :206 in 0.33.0; one
@@ -218,10 +222,10 @@ def _handoff(result, ranked: list[VisibleGpu], user_partition, stages=None) -> h
 CONTEXT_MARGIN = 0.05
 
 
-def plan_or_explain(model, facts, request):
+def plan_or_explain(model, facts, request, kv_layout=None):
     from vllm_dualgpu.planner import fit
 
-    f = fit(model, facts, request)
+    f = fit(model, facts, request, kv_layout=kv_layout)
     if f.fits:
         return f.plan
     if f.largest_max_model_len < (1 - CONTEXT_MARGIN) * f.requested_max_model_len:

@@ -9,6 +9,24 @@ is declared in patching/interventions.py (kv-*).
 
 from __future__ import annotations
 
+import contextvars
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class _Workers:
+    """Every rank's layers and KV memory, while vLLM forms the KV cache groups: the grouping
+    patches (patches/kv_cache_utils.py) read it; outside that call it is unset."""
+
+    vllm_config: object
+    specs: tuple[dict, ...]
+    memory: tuple[int, ...]
+
+
+_WORKERS: contextvars.ContextVar[_Workers | None] = contextvars.ContextVar(
+    "vllm_dualgpu_kv_workers", default=None
+)
+
 
 def planning_module():
     """vLLM's module holding KV planning: kv_cache_planning from 0.33, kv_cache_utils before."""
@@ -72,3 +90,14 @@ def model_kv_cache_groups(vllm_config, kv_cache_specs: list) -> list:
     for s in specs:
         merged.update(s)
     return module.get_kv_cache_groups(vllm_config, merged)
+
+
+def groups_for_ranks(vllm_config, rank_specs: list[dict], memory: list[int]) -> list:
+    """The model's KV cache groups as vLLM forms them when every rank's layers and KV memory
+    are known, as inside ``get_kv_cache_configs`` at run time (the grouping patches act where
+    applied). The executor prices its plan with this before the workers exist."""
+    token = _WORKERS.set(_Workers(vllm_config, tuple(dict(s) for s in rank_specs), tuple(memory)))
+    try:
+        return model_kv_cache_groups(vllm_config, [dict(s) for s in rank_specs])
+    finally:
+        _WORKERS.reset(token)

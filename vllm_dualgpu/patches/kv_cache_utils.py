@@ -40,15 +40,15 @@ wrapping two functions.
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import functools
 import math
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from vllm_dualgpu.engine.vllm_kv import (  # noqa: F401  (the patches' and their tests' helpers)
+    _WORKERS,
+    _Workers,
     estimate_max_model_len,
     max_memory_usage_bytes,
     model_kv_cache_groups,
@@ -60,16 +60,6 @@ from vllm_dualgpu.log import logger
 from vllm_dualgpu.patches.spec_common import is_dualgpu_pp
 
 
-@dataclass(frozen=True)
-class _Workers:
-    vllm_config: object
-    specs: tuple[dict, ...]
-    memory: tuple[int, ...]
-
-
-_WORKERS: contextvars.ContextVar[_Workers | None] = contextvars.ContextVar(
-    "vllm_dualgpu_kv_workers", default=None
-)
 
 
 def kv_cache_configs(vllm_config, kv_cache_specs: list, available_memory: list) -> list:

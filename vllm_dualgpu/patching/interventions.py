@@ -483,33 +483,51 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         )
         for module, versions, suffix, fn, params, why in (
             (_KV, V030_032, "", "_project_kv_cache_groups_to_worker", ("global_kv_cache_groups", "worker_spec"),
-             "engine/context_fit.py and the KV grouping patch project the model's KV groups "
-             "onto each rank with it."),
+             "engine/context_fit.py, engine/kv_pricing.py and the KV grouping patch project the "
+             "model's KV groups onto each rank with it."),
             (_KV, V030_032, "", "_pool_bytes_per_block", None,
              "engine/context_fit.py takes the null block off each rank's budget with it (its "
              "parameters are (kv_cache_groups) before vLLM 0.32, (vllm_config, kv_cache_groups) "
              "from 0.32: patches/kv_cache_utils.py asks which)."),
             (_KV, V030_032, "", "_estimate_max_model_len_from_groups",
              ("vllm_config", "kv_cache_groups", "available_memory"),
-             "engine/context_fit.py asks vLLM's own estimate of each rank's longest request."),
+             "engine/context_fit.py and engine/kv_pricing.py ask vLLM's own estimate of each "
+             "rank's longest request."),
             (_KV, V030_032, "", "_max_memory_usage_bytes_from_groups", ("vllm_config", "kv_cache_groups"),
              "The KV grouping patch (kv-groups-without-padding) prices a grouping with it."),
             (_KV_PLANNING, V033, "-033", "_project_kv_cache_groups_to_worker",
              ("global_kv_cache_groups", "worker_spec"),
-             "engine/context_fit.py and the KV grouping patch project the model's KV groups "
-             "onto each rank with it."),
+             "engine/context_fit.py, engine/kv_pricing.py and the KV grouping patch project the "
+             "model's KV groups onto each rank with it."),
             (_KV_PLANNING, V033, "-033", "_pool_bytes_per_block_from_builder",
              ("builder", "vllm_config", "kv_cache_groups"),
              "engine/context_fit.py takes the null block off each rank's budget with it."),
             (_KV_PLANNING, V033, "-033", "_estimate_max_model_len_from_groups",
              ("builder", "vllm_config", "kv_cache_groups", "available_memory"),
-             "engine/context_fit.py asks vLLM's own estimate of each rank's longest request."),
+             "engine/context_fit.py and engine/kv_pricing.py ask vLLM's own estimate of each "
+             "rank's longest request."),
             (_KV_PLANNING, V033, "-033", "_max_memory_usage_bytes_from_groups",
              ("builder", "vllm_config", "kv_cache_groups"),
              "The KV grouping patch (kv-groups-without-padding-033) prices a grouping with it."),
         )
     ),
     # --- vLLM config attributes read through getattr (with a default that hides a rename) ---
+    Intervention(
+        name="kv-pricing-layout",
+        kind=CONFIG,
+        target="vllm.config.cache:CacheConfig.kv_cache_layout",
+        processes=(ENGINE,),
+        vllm_versions=CHECKED,
+        why=(
+            "The executor prices its plan's KV cache with vLLM's grouping before the workers "
+            "exist (engine/kv_pricing.py); EngineCore resolves the layout only once they report "
+            "their backends, and vLLM's grouping reads it. While pricing, an unresolved layout "
+            "is set to LBNHC (the layout the planner assumes) and set back to None after."
+        ),
+        upstream=_NO_HOOK,
+        remove_when="never (vLLM's own field; the check pins the name)",
+        issue="#15",
+    ),
     Intervention(
         name="user-specified-block-size",
         kind=PRIVATE_API,

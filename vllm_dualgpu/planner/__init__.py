@@ -27,7 +27,7 @@ from vllm_dualgpu.planner.errors import (
 )
 from vllm_dualgpu.planner.formats import FormatResolver, WeightFormat, weight_format
 from vllm_dualgpu.planner.gpus import KNOWN_GPUS, GpuFacts, lookup, parse_gpus, parse_size, reference_pair
-from vllm_dualgpu.planner.kv import KVLayout
+from vllm_dualgpu.planner.kv import KVLayout, PricedGroup
 from vllm_dualgpu.planner.memory import MemoryModel
 from vllm_dualgpu.planner.model import DrafterSpec, ModelSpec
 from vllm_dualgpu.planner.search import (
@@ -66,6 +66,7 @@ __all__ = [
     "GpuFacts",
     "KNOWN_GPUS",
     "KVLayout",
+    "PricedGroup",
     "MemoryModel",
     "ModelDoesNotFit",
     "ModelSpec",

@@ -1,5 +1,8 @@
 """KV-cache arithmetic, mirroring vLLM 0.30 (``vllm/v1/core/kv_cache_utils.py``).
 
+This is the pure mirror ``vllm-dualgpu plan`` uses. The executor, where vLLM is loaded, regroups
+it with vLLM's own (patched) functions (:meth:`KVLayout.regrouped`, engine/kv_pricing.py).
+
 What vLLM does, and what this module reproduces without importing it:
 
 * Every attention layer has a page of ``block_size x num_kv_heads x (head_dim + head_dim) x
@@ -27,7 +30,7 @@ resolve to on CUDA; block-outermost layouts pack mixed page sizes differently.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from vllm_dualgpu.planner.errors import BadRequest, UnsupportedModel
 from vllm_dualgpu.planner.formats import cdiv
@@ -97,6 +100,18 @@ class KVSlot:
 
 
 @dataclass(frozen=True)
+class PricedGroup:
+    """One KV cache group as vLLM formed it: its layers, their page bytes, its block size
+    (attention) or the blocks one request takes (mamba). Plain data, so the planner stays pure."""
+
+    kind: str  # "attention" or "mamba"
+    layer_names: tuple[str, ...]
+    page_bytes: dict[str, int]
+    tokens_per_block: int = 0
+    blocks_per_request_const: int = 0
+
+
+@dataclass(frozen=True)
 class KVGroup:
     kind: str
     members: tuple[int, ...]  # indices into KVLayout.slots
@@ -124,8 +139,10 @@ class KVLayout:
     num_speculative_tokens: int
     slots: list[KVSlot]
     groups: list[KVGroup]
-    grouping: str  # "uniform", "uniform-type" or "hybrid"
+    grouping: str  # "uniform", "uniform-type", "hybrid", or "vllm" (see regrouped)
     notes: list[str] = field(default_factory=list)
+    raw_slots: list[KVSlot] = field(default_factory=list)
+    """Each layer's page before page sizes are unified: what vLLM's layers report."""
     # prefix sums per group over target layer index; drafter part per group
     _prefix: list[list[int]] = field(default_factory=list, repr=False)
     _drafter: list[int] = field(default_factory=list, repr=False)
@@ -282,6 +299,7 @@ class KVLayout:
                     KVSlot(f"drafter.layers.{j}.self_attn.attn", "attention", None, bs * d_tok, bs, d_key, d_tok)
                 )
 
+        raw_slots = list(slots)
         keys = {s.spec_key for s in slots}
         kinds = {s.kind for s in slots}
         if len(keys) == 1:
@@ -304,6 +322,14 @@ class KVLayout:
                     f"{'/'.join(map(str, sizes))} layers; every block is sized for the largest group, "
                     "so blocks held by smaller groups are partly unused"
                 )
+            target_keys = {s.spec_key for s in raw_slots if s.layer_index is not None}
+            if any(s.layer_index is None and s.spec_key not in target_keys for s in raw_slots):
+                notes.append(
+                    "the drafter's attention layers have their own KV spec: stock vLLM then cuts "
+                    f"every group to their count ({len(groups)} groups here); with PP > 1 the "
+                    "dualgpu executor groups them with less padding (its KV patches) and prices "
+                    "that with vLLM's own functions, so the pool it logs can be larger than this"
+                )
 
         layout = cls(
             model_name=model.name,
@@ -319,9 +345,49 @@ class KVLayout:
             groups=groups,
             grouping=grouping,
             notes=notes,
+            raw_slots=raw_slots,
         )
         layout._index()
         return layout
+
+    def regrouped(self, groups: list[PricedGroup]) -> KVLayout:
+        """This layout with another grouping: vLLM's, as its (patched) functions formed it from
+        these layers' specs. Every layer is in exactly one group and takes that group's page
+        bytes and block size; per-token reads (decode cost) stay this layout's."""
+        index = {s.name: i for i, s in enumerate(self.slots)}
+        seen: set[str] = set()
+        slots = list(self.slots)
+        new_groups = []
+        for g in groups:
+            unknown = [n for n in g.layer_names if n not in index]
+            if unknown or seen & set(g.layer_names):
+                raise ValueError(f"group {g.layer_names[:3]}...: layers unknown to the planner or in two groups: "
+                                 f"{unknown or sorted(seen & set(g.layer_names))}")
+            seen.update(g.layer_names)
+            for n in g.layer_names:
+                s = slots[index[n]]
+                slots[index[n]] = _replace(s, page_bytes=g.page_bytes.get(n, s.page_bytes),
+                                           tokens_per_block=g.tokens_per_block if s.kind == "attention" else 0)
+            new_groups.append(KVGroup(g.kind, tuple(index[n] for n in g.layer_names),
+                                      g.tokens_per_block if g.kind == "attention" else 0,
+                                      g.blocks_per_request_const if g.kind == "mamba" else 0))
+        missing = [s.name for s in self.slots if s.name not in seen]
+        if missing:
+            raise ValueError(f"layers in no group: {missing[:3]} ({len(missing)} in all)")
+        layout = replace(self, slots=slots, groups=new_groups, grouping="vllm", notes=list(self.notes),
+                         raw_slots=list(self.raw_slots))
+        layout._index()
+        return layout
+
+    def same_grouping(self, other: KVLayout) -> bool:
+        """Whether ``other`` groups the same layers together with the same pages and blocks."""
+        def key(lay: KVLayout):
+            return sorted(
+                (g.kind, g.tokens_per_block, g.blocks_per_request_const,
+                 tuple(sorted((lay.slots[m].name, lay.slots[m].page_bytes) for m in g.members)))
+                for g in lay.groups
+            )
+        return key(self) == key(other)
 
     def _index(self) -> None:
         L = self.num_layers
@@ -364,8 +430,6 @@ def _unify_page_sizes(slots: list[KVSlot]) -> list[KVSlot]:
 
 
 def _replace(s: KVSlot, **kw) -> KVSlot:
-    from dataclasses import replace
-
     return replace(s, **kw)
 
 

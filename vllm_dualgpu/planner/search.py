@@ -302,7 +302,8 @@ def compositions(n: int, k: int):
 class _Context:
     """Everything that does not depend on the candidate split, precomputed once."""
 
-    def __init__(self, model: ModelSpec, request: PlanRequest, pp: int, gpus_by_index: dict[int, GpuFacts]):
+    def __init__(self, model: ModelSpec, request: PlanRequest, pp: int, gpus_by_index: dict[int, GpuFacts],
+                 kv_layout: KVLayout | None = None):
         self.model = model
         self.request = request
         self.pp = pp
@@ -314,7 +315,7 @@ class _Context:
         self.drafter = DrafterSpec.from_speculative(request.speculative, model)
         num_spec = self.drafter.num_speculative_tokens if self.drafter else 0
         mode = request.mamba_cache_mode or ("align" if request.enable_prefix_caching else "none")
-        self.kv = KVLayout.build(
+        self.kv = kv_layout or KVLayout.build(
             model,
             kv_cache_dtype=request.kv_cache_dtype,
             block_size=request.block_size,
@@ -604,12 +605,17 @@ def _fit_or_raise(f: Fit) -> Plan:
 
 
 def fit(
-    model: ModelSpec, gpus: list[GpuFacts], request: PlanRequest | None = None, *, _check_stock: bool = False
+    model: ModelSpec, gpus: list[GpuFacts], request: PlanRequest | None = None, *,
+    kv_layout: KVLayout | None = None, _check_stock: bool = False
 ) -> Fit:
     """:func:`plan`, with a requested ``--max-model-len`` that no split holds answered, not
     raised: ``Fit(fits=False)`` with the plan at the largest length that fits. Raises
     :class:`ModelDoesNotFit` (not even one request fits) and :class:`BadRequest` as :func:`plan`
-    does, never :class:`ContextTooLong`."""
+    does, never :class:`ContextTooLong`.
+
+    ``kv_layout`` prices the KV cache instead of the pure mirror (``KVLayout.build`` from the
+    request): the executor passes the layout regrouped by vLLM's own functions
+    (engine/kv_pricing.py); ``vllm-dualgpu plan`` runs without vLLM and uses the mirror."""
     request = request or PlanRequest()
     if not gpus:
         raise BadRequest("no GPUs to plan for")
@@ -650,7 +656,7 @@ def fit(
     used = _resolve_gpus(gpus, request, notes)
     if request.gpu_order is not None:
         overrides["gpu_order"] = ",".join(map(str, request.gpu_order))
-    ctx = _Context(model, request, pp, {g.index: g for g in used})
+    ctx = _Context(model, request, pp, {g.index: g for g in used}, kv_layout)
     decode_tokens = request.decode_context_tokens
     if decode_tokens is None:
         decode_tokens = target if target is not None else model.max_position_embeddings

@@ -184,3 +184,21 @@ def test_physical_ids_and_positions_when_cuda_visible_devices_picks_cards(make_c
     data = json.loads(path.read_text())
     assert data["physical_gpu_ids"] == [5, 7, 4, 6] and data["cuda_visible_devices"] == "1,3,0,2"
     assert [r.physical_gpu_id for r in handoff.load(cfg).ranks] == [5, 7, 4, 6]
+
+
+def test_a_hybrid_model_in_tp_stages_is_priced_by_vllms_functions(qwen3_5_hybrid_config, monkeypatch, logged):
+    """The Gated DeltaNet state and attention pages of one TP rank, as the planner's shard sizes
+    them, are what vLLM's own spec functions give at TP 2 (kv_pricing would warn otherwise)."""
+    from vllm_dualgpu.engine import kv_pricing, preflight
+
+    monkeypatch.setattr(preflight, "nvml_gpu_count", lambda: 4)
+    cfg = qwen3_5_hybrid_config(tensor_parallel_size=2, max_num_seqs=4, max_num_batched_tokens=2048,
+                                mamba_ssm_cache_dtype="float32")
+    cfg.parallel_config.worker_cls = apply.STOCK_WORKER
+    visible(monkeypatch, [gpu(i) for i in range(4)])
+    warnings = []
+    monkeypatch.setattr(kv_pricing.logger, "warning", lambda msg, *a: warnings.append(msg % a))
+    applied = apply.apply_plan(cfg)
+    assert not [w for w in warnings if "priced by the planner's own arithmetic only" in w], warnings
+    assert cfg.parallel_config.assigned_physical_gpu_ids == [0, 1, 2, 3]
+    assert [r.stage for r in handoff.load(cfg).ranks] == [0, 0, 1, 1] and sum(applied.plan.partition) == 8

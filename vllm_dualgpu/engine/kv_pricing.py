@@ -1,0 +1,243 @@
+"""The executor prices the plan's KV cache with vLLM's own functions, patched as the run will be.
+
+The pure planner (planner/kv.py) mirrors stock vLLM's KV arithmetic so that
+``vllm-dualgpu plan`` works without vLLM. Under the dualgpu executor the registry's KV patches
+change that arithmetic (kv-groups-without-padding, kv-groups-know-ranks,
+kv-drafter-pages-promoted: a DFlash drafter next to a hybrid model is grouped without padding),
+so here, where vLLM is loaded, the layers the planner sized become vLLM's spec objects
+(``FullAttentionSpec`` with vLLM's dtype and quantization mode for the cache dtype,
+``MambaSpec`` with the model class's own state shapes and dtypes), vLLM's grouping forms the
+groups from every rank's layers and planned KV memory (as ``get_kv_cache_configs`` does at run
+time), and the planner searches again with that grouping (``KVLayout.regrouped``, the same
+interface as the mirror). The plan's pool is then checked against vLLM's per-rank bytes per
+block and longest request (``engine/vllm_kv.py``).
+
+What stays the mirror's: the hybrid block size (vLLM's workers align it when they build the
+model, after this runs; the hybrid-block-size patches make every stage use one) and the
+per-token reads of the decode-time prediction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from vllm_dualgpu.log import logger
+
+#: Rounds of "group for this split, search again": the grouping depends on the split it is formed for.
+MAX_ROUNDS = 3
+
+
+class NotPriceable(RuntimeError):
+    """The planner's layers cannot be written as vLLM's specs (the plan keeps the mirror)."""
+
+
+@dataclass(frozen=True)
+class VllmPool:
+    """The pool vLLM's functions give the plan's split and per-rank KV memory."""
+
+    num_blocks: int
+    bytes_per_block: tuple[int, ...]
+    max_model_len: int
+    """vLLM's longest request on every rank's pool, searched up to the configured length."""
+    num_groups: int
+
+
+def layer_specs(vllm_config, layout) -> dict:
+    """vLLM's spec for every layer the planner sized (``layout.raw_slots``, before unification)."""
+    from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, get_kv_quant_mode
+
+    from vllm_dualgpu.planner.kv import dtype_bytes
+
+    mc = vllm_config.model_config
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    torch_dtype = kv_cache_dtype_str_to_dtype(cache_dtype, mc)
+    quant_mode = get_kv_quant_mode(cache_dtype)
+    element = dtype_bytes(cache_dtype, str(mc.dtype).removeprefix("torch."))
+    mamba = None
+    specs = {}
+    for s in layout.raw_slots:
+        if s.kind == "mamba":
+            mamba = mamba or _mamba_spec(vllm_config, layout)
+            specs[s.name] = mamba
+            continue
+        _, heads, head_dim, kvb, block, pad = s.spec_key
+        if kvb != element or pad is not None:
+            raise NotPriceable(f"{s.name}: a KV dtype ({kvb} bytes) other than the cache's ({element})")
+        spec = FullAttentionSpec(block_size=block, num_kv_heads=heads, head_size=head_dim,
+                                 dtype=torch_dtype, kv_quant_mode=quant_mode)
+        if spec.page_size_bytes != s.page_bytes:
+            raise NotPriceable(f"{s.name}: vLLM's page is {spec.page_size_bytes:,} bytes, the "
+                               f"planner's {s.page_bytes:,}")
+        specs[s.name] = spec
+    return specs
+
+
+def _mamba_spec(vllm_config, layout):
+    """The Gated DeltaNet layers' spec as vLLM's layer builds it, state from the model class."""
+    import dataclasses
+
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    if cc.mamba_cache_mode not in (None, layout.mamba_cache_mode):
+        raise NotPriceable(f"mamba cache mode {cc.mamba_cache_mode!r}, the planner's {layout.mamba_cache_mode!r}")
+    model_cls, _ = ModelRegistry.resolve_model_cls(mc.architecture, model_config=mc)
+    align = layout.mamba_cache_mode == "align"
+    spec = MambaSpec(
+        shapes=tuple(model_cls.get_mamba_state_shape_from_config(vllm_config)),
+        dtypes=tuple(model_cls.get_mamba_state_dtype_from_config(vllm_config)),
+        block_size=layout.block_size if align else (cc.mamba_block_size or mc.max_model_len),
+        page_size_padded=layout.mamba_page_padded,
+        mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
+        mamba_cache_mode=layout.mamba_cache_mode,
+        num_speculative_blocks=layout.num_speculative_tokens,
+    )
+    state = dataclasses.replace(spec, page_size_padded=None).page_size_bytes
+    if state != layout.mamba_page_bytes:
+        raise NotPriceable(f"vLLM's Gated DeltaNet state is {state:,} bytes, the planner's "
+                           f"{layout.mamba_page_bytes:,}")
+    return spec
+
+
+def rank_specs(specs: dict, layout, partition) -> list[dict]:
+    """Each pipeline rank's layers (target layers by the split, the drafter's on the last)."""
+    bounds, start = [], 0
+    for n in partition:
+        bounds.append((start, start + n))
+        start += n
+    ranks: list[dict] = [{} for _ in partition]
+    for s in layout.raw_slots:
+        if s.layer_index is None:
+            ranks[-1][s.name] = specs[s.name]
+        else:
+            r = next(i for i, (a, b) in enumerate(bounds) if a <= s.layer_index < b)
+            ranks[r][s.name] = specs[s.name]
+    return ranks
+
+
+def priced_groups(vllm_config, groups) -> list:
+    """vLLM's KV cache groups as the planner's plain :class:`PricedGroup` data."""
+    from vllm.v1.kv_cache_interface import MambaSpec, UniformTypeKVCacheSpecs
+
+    from vllm_dualgpu.planner import PricedGroup
+
+    out = []
+    for g in groups:
+        spec, names = g.kv_cache_spec, tuple(g.layer_names)
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            pages = {n: spec.kv_cache_specs[n].page_size_bytes for n in names}
+        else:
+            pages = {n: spec.page_size_bytes for n in names}
+        if isinstance(spec, MambaSpec):
+            const = spec.max_memory_usage_bytes(vllm_config) // spec.page_size_bytes
+            out.append(PricedGroup("mamba", names, pages, 0, const))
+        else:
+            out.append(PricedGroup("attention", names, pages, spec.block_size, 0))
+    return out
+
+
+def vllm_pool(vllm_config, groups, ranks: list[dict], kv_budgets: list[int]) -> VllmPool:
+    """Blocks every rank holds (the smallest rank's count), and the longest request they hold."""
+    from vllm_dualgpu.engine import vllm_kv as kv
+
+    projected = [kv.project_groups(groups, specs) for specs in ranks]
+    bpb = tuple(kv.pool_bytes_per_block(vllm_config, p) for p in projected)
+    num_blocks = min(max(b, 0) // per for b, per in zip(kv_budgets, bpb))
+    mc = vllm_config.model_config
+    saved = mc.max_model_len
+    try:
+        longest = min(kv.estimate_max_model_len(vllm_config, p, max(num_blocks - 1, 0) * per)
+                      for p, per in zip(projected, bpb))
+    finally:
+        mc.max_model_len = saved
+    return VllmPool(num_blocks, bpb, longest, len(groups))
+
+
+#: The layout the mirror assumes (planner/kv.py): FlashAttention's and FlashInfer's on CUDA.
+ASSUMED_LAYOUT = "LBNHC"
+
+
+@contextlib.contextmanager
+def _layout_resolved(vllm_config):
+    """EngineCore resolves the KV cache layout once the workers report their backends, after
+    this runs. vLLM's grouping reads it only to pack mixed page sizes block-outermost, which the
+    plan does not price; meanwhile the mirror's layout stands in, and is taken back after."""
+    cc = vllm_config.cache_config
+    unset = getattr(cc, "kv_cache_layout", ASSUMED_LAYOUT) is None
+    if unset:
+        cc.kv_cache_layout = ASSUMED_LAYOUT
+    try:
+        yield
+    finally:
+        if unset:
+            cc.kv_cache_layout = None
+
+
+#: Loggers of the KV planning code run here as a rehearsal: the run logs the same lines again.
+REHEARSED = ("vllm.v1.core.kv_cache_utils", "vllm.v1.core.kv_cache_planning")
+
+
+@contextlib.contextmanager
+def _quiet():
+    """What the grouping (the patches' INFO lines, vLLM's own warnings) says here, it says again
+    at run time on the real specs; the outcome is logged once below."""
+    quieted = [(logger, logging.WARNING)] + [(logging.getLogger(n), logging.ERROR) for n in REHEARSED]
+    saved = [lg.level for lg, _ in quieted]
+    for lg, level in quieted:
+        lg.setLevel(level)
+    try:
+        yield
+    finally:
+        for (lg, _), level in zip(quieted, saved):
+            lg.setLevel(level)
+
+
+def reprice(vllm_config, plan, search: Callable) -> tuple[object, VllmPool | None]:
+    """The plan with its KV cache priced by vLLM's functions: ``search(kv_layout)`` plans again
+    with vLLM's grouping until the split it is formed for keeps it. Returns the plan and vLLM's
+    pool for it (None, with a WARNING, where the layers cannot be written as vLLM's specs)."""
+    from vllm_dualgpu.engine.vllm_kv import groups_for_ranks
+
+    mirror = plan.kv
+    tried: list[tuple[int, ...]] = []
+    with _quiet(), _layout_resolved(vllm_config):
+        for round_ in range(MAX_ROUNDS):
+            try:
+                specs = layer_specs(vllm_config, mirror)
+                ranks = rank_specs(specs, mirror, plan.partition)
+                budgets = [r.kv_budget_bytes for r in plan.ranks]
+                groups = groups_for_ranks(vllm_config, ranks, budgets)
+                priced = mirror.regrouped(priced_groups(vllm_config, groups))
+                pool = vllm_pool(vllm_config, groups, ranks, budgets)
+            except Exception as e:  # never a half-priced plan: the last whole one stands
+                why = str(e) if isinstance(e, NotPriceable) else f"{type(e).__name__}: {e}"
+                logger.warning("vllm-dualgpu: KV cache priced by the planner's own arithmetic "
+                               "only: %s", why)
+                return plan, None
+            if (priced.same_grouping(plan.kv) or round_ == MAX_ROUNDS - 1
+                    or tuple(plan.partition) in tried):
+                break  # the groups and the pool are this plan's
+            tried.append(tuple(plan.partition))
+            plan = search(priced)
+    if not priced.same_grouping(mirror):
+        logger.info(
+            "vllm-dualgpu: KV cache priced with vLLM's grouping under this package's patches: "
+            "%d groups of %s layers (the planner's stock mirror: %d groups of %s); split %s",
+            len(priced.groups), "/".join(sorted({str(len(g.members)) for g in priced.groups})),
+            len(mirror.groups), "/".join(sorted({str(len(g.members)) for g in mirror.groups})),
+            "/".join(map(str, plan.partition)),
+        )
+    if pool.num_blocks != plan.num_blocks:
+        logger.warning(
+            "vllm-dualgpu: vLLM's functions give this split %s KV blocks, the plan %s "
+            "(bytes per block per rank: vLLM %s, plan %s); vLLM's measurement after profiling decides",
+            f"{pool.num_blocks:,}", f"{plan.num_blocks:,}", list(pool.bytes_per_block),
+            [r.kv_bytes_per_block for r in plan.ranks],
+        )
+    return plan, pool
