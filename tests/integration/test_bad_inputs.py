@@ -149,9 +149,11 @@ def test_13_pp1_behaves_like_stock():
     assert planning_applies(pc) == "pipeline_parallel_size=1"
 
 
-def test_14_tensor_parallel_is_not_planned():
-    pc = SimpleNamespace(pipeline_parallel_size=2, tensor_parallel_size=2, data_parallel_size=1, nnodes=1)
-    assert "tensor_parallel_size=2" in planning_applies(pc)
+def test_14_tensor_parallel_alone_is_stock_and_with_pp_is_planned():
+    pc = SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=2, data_parallel_size=1, nnodes=1)
+    assert planning_applies(pc) == "pipeline_parallel_size=1"
+    pc.pipeline_parallel_size = 2  # TP groups as pipeline stages (tests/integration/engine/test_tp_stages_applied.py)
+    assert planning_applies(pc) is None
 
 
 def test_15_three_gpus_for_pp2_warns_and_uses_two(caplog):

@@ -96,7 +96,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-num-batched-tokens", type=_human_int, help="default: vLLM's default for device 0")
     p.add_argument("--speculative-config", type=_json_dict, help="JSON, as for vllm serve")
     p.add_argument("-pp", "--pipeline-parallel-size", type=int, help="default: the number of GPUs")
-    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+                   help="TP group size of each pipeline stage (cards of one kind; default 1)")
     p.add_argument("-q", "--quantization", help="vLLM's --quantization (e.g. fp8 for a 16-bit checkpoint)")
     p.add_argument("--dtype", default="auto", help="model dtype (auto: the config's)")
     p.add_argument("--num-gpu-blocks-override", type=int)
@@ -230,7 +231,10 @@ def _serve_command(model_arg: str, p, args) -> str:
         env.append(f"VLLM_DUALGPU_OBJECTIVE={args.objective}")
     parts = env + ["vllm serve", q(model_arg)]
     if not p.passthrough:
-        parts += [f"--pipeline-parallel-size {len(p.partition)}", "--distributed-executor-backend dualgpu"]
+        parts.append(f"--pipeline-parallel-size {len(p.partition)}")
+        if args.tensor_parallel_size > 1:
+            parts.append(f"--tensor-parallel-size {args.tensor_parallel_size}")
+        parts.append("--distributed-executor-backend dualgpu")
     parts.append(f"--max-model-len {p.max_model_len}")
     if args.quantization:
         parts.append(f"--quantization {q(args.quantization)}")
@@ -311,7 +315,8 @@ def request_from_args(args, model, gpus):
     layer_partition = args.layer_partition
     if layer_partition is None and os.environ.get("VLLM_PP_LAYER_PARTITION"):
         layer_partition = _int_list(os.environ["VLLM_PP_LAYER_PARTITION"])
-    pp = args.pipeline_parallel_size or (len(layer_partition) if layer_partition else len(gpus))
+    tp = getattr(args, "tensor_parallel_size", 1) or 1
+    pp = args.pipeline_parallel_size or (len(layer_partition) if layer_partition else len(gpus) // tp)
     runtime = runtime_assumptions().request_fields()
     if args.vision_on_every_rank:
         runtime["vision_on_every_rank"] = True
@@ -353,13 +358,52 @@ def _print_error(e, as_json: bool) -> None:
         print(f"vllm-dualgpu plan: {e}", file=sys.stderr)
 
 
+def _tp_stages(args, cfg: dict, gpus, req):
+    """``-tp N``: the TP groups as pipeline stages, as the executor forms them (None for -tp 1)."""
+    from vllm_dualgpu.planner.tp_stages import plan_stages
+
+    tp = args.tensor_parallel_size
+    if tp < 1:
+        raise _Fail("--tensor-parallel-size must be >= 1")
+    if tp == 1:
+        return None
+    if args.gpu_order:
+        raise _Fail(f"--gpu-order with -tp {tp}: the plan orders the TP stages (the executor does the "
+                    "same); choose the cards and their PCI order with --gpus")
+    if req.pp_size < 2:
+        raise _Fail(
+            f"-tp {tp} with -pp {req.pp_size} is one TP group: stock vLLM's tensor parallelism "
+            f"(vllm serve MODEL --tensor-parallel-size {tp}), which the dualgpu executor does not "
+            f"plan. Give -pp 2 or more ({2 * tp}+ cards), or compare topologies with --gpus 'box=...'"
+        )
+    return plan_stages(cfg, gpus, req.pp_size, tp, req, weight_format=args.weight_format,
+                       quantization=args.quantization)
+
+
+def _tp_ranks(stages, p) -> list[dict]:
+    """vLLM's ranks in order: each rank's stage, TP rank and card (its --gpus position)."""
+    return [{"rank": i, "stage": st, "tp_rank": t, "gpu": g.index, "name": g.name}
+            for i, (st, t, g) in enumerate(stages.rank_cards(p.order))]
+
+
+def _tp_lines(stages, p) -> str:
+    ranks = _tp_ranks(stages, p)
+    lines = [f"TP {stages.tp} groups as pipeline stages (the columns above are one TP rank of each "
+             f"stage: weights and KV split 1/{stages.tp}, embedding and head vocabulary-parallel, "
+             f"norms whole; each rank also keeps {stages.extra_reserve_bytes / 1024**3:.2f} GiB for "
+             "the full-vocabulary sampler and the TP group's NCCL buffers; the GPU order above names "
+             "each stage by its first card):"]
+    for st in range(len(p.order)):
+        cards = [r for r in ranks if r["stage"] == st]
+        lines.append(f"  stage {st}: " + " + ".join(f"rank {r['rank']} GPU {r['gpu']} {r['name']}" for r in cards))
+    return "\n".join(lines)
+
+
 def run(args) -> int:
     from vllm_dualgpu import planner as P
 
     try:
         model_arg = args.model or args.model_opt
-        if args.tensor_parallel_size != 1:
-            raise _Fail("plans cover --tensor-parallel-size 1 (pipeline parallelism only)")
         if model_arg and args.reference:
             raise _Fail("give a model or --reference, not both")
         if model_arg:
@@ -379,6 +423,10 @@ def run(args) -> int:
         notes += _support_notes()
 
         req = request_from_args(args, model, gpus)
+        stages = _tp_stages(args, cfg, gpus, req)
+        if stages is not None:
+            model, gpus, req = stages.model, list(stages.cards), stages.request
+            notes += list(stages.notes)
     except _Fail as e:
         print(f"vllm-dualgpu plan: {e}", file=sys.stderr)
         return 2
@@ -402,7 +450,7 @@ def run(args) -> int:
     p = f.plan
 
     stock = None
-    if not p.passthrough:
+    if not p.passthrough and stages is None:  # stock vLLM's TP x PP takes cards in CUDA order
         try:
             stock = P.stock_estimate(model, gpus, req, args.gpu_memory_utilization)
         except P.PlanError:
@@ -411,6 +459,10 @@ def run(args) -> int:
     if args.json:
         out = {"source": source, "plan": p.to_dict(), "stock": stock.to_dict() if stock else None,
                "command": command, "notes": notes}
+        if stages is not None:
+            ranks = _tp_ranks(stages, p)
+            out["tp"] = {"size": stages.tp, "ranks": ranks}
+            out["plan"]["cuda_visible_devices"] = ",".join(str(r["gpu"]) for r in ranks)  # every card, rank order
         print(json.dumps(out, indent=2))
         return 0
 
@@ -418,13 +470,16 @@ def run(args) -> int:
     for n in notes:
         print(f"Note: {n}")
     print(p.table(), end="")
+    if stages is not None:
+        print(_tp_lines(stages, p))
     if stock is not None:
         print(_stock_line(stock, "/".join(map(str, stock.partition))))
     if not p.passthrough:
         print()
         print("Serve it with the dualgpu executor, which applies this GPU order, split and memory plan:")
         print(f"  {command}")
-        print(f"(by hand: CUDA_VISIBLE_DEVICES={p.cuda_visible_devices()} VLLM_PP_LAYER_PARTITION={p.partition_env()})")
+        visible = p.cuda_visible_devices() if stages is None else ",".join(str(r["gpu"]) for r in _tp_ranks(stages, p))
+        print(f"(by hand: CUDA_VISIBLE_DEVICES={visible} VLLM_PP_LAYER_PARTITION={p.partition_env()})")
     else:
         print()
         print("Serve it as stock vLLM (one GPU):")

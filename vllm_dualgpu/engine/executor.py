@@ -16,17 +16,17 @@ from vllm_dualgpu.process import ACTIVE_ENV
 
 def planning_applies(parallel_config) -> str | None:
     """None when the dualgpu plan applies, else why the executor behaves like stock."""
+    # TP groups as pipeline stages are planned (planner/tp_stages.py); TP alone is stock vLLM's.
     if parallel_config.pipeline_parallel_size < 2:
         return "pipeline_parallel_size=1"
-    if parallel_config.tensor_parallel_size != 1:
-        return f"tensor_parallel_size={parallel_config.tensor_parallel_size} (plans cover TP=1)"
     if parallel_config.data_parallel_size != 1 or parallel_config.nnodes > 1:
         return "data parallel or multi-node runs"
     return None
 
 
-def dead_rank_lines(workers, gpus=None) -> list[str]:
-    """One line per worker process that has ended: its pipeline rank, GPU and exit status."""
+def dead_rank_lines(workers, gpus=None, tp_size: int = 1) -> list[str]:
+    """One line per worker process that has ended: its rank (with TP stages also its stage and
+    TP rank), GPU and exit status."""
     lines = []
     for h in workers:
         code = h.proc.exitcode
@@ -42,7 +42,9 @@ def dead_rank_lines(workers, gpus=None) -> list[str]:
             how = f"exited with status {code}"
             if code == 1:
                 how += " (a rank that runs out of GPU memory in warm-up ends itself: see its ERROR line above)"
-        lines.append(f"vllm-dualgpu: pipeline rank {h.rank}{where} {how}; the engine shuts down "
+        who = (f"pipeline rank {h.rank}" if tp_size == 1
+               else f"rank {h.rank} (stage {h.rank // tp_size}, TP rank {h.rank % tp_size})")
+        lines.append(f"vllm-dualgpu: {who}{where} {how}; the engine shuts down "
                      "and fails its requests")
     return lines
 
@@ -92,7 +94,8 @@ class DualGpuExecutor(MultiprocExecutor):
         """vLLM calls ``callback`` when a worker process died; first say which rank and GPU."""
 
         def name_dead_ranks_then_fail():
-            for line in dead_rank_lines(self.workers, getattr(self.dualgpu, "gpus", None)):
+            for line in dead_rank_lines(self.workers, getattr(self.dualgpu, "gpus", None),
+                                        getattr(self.dualgpu, "tp_size", 1)):
                 logger.error(line)
             callback()
 

@@ -23,9 +23,10 @@ PLAN = "plan"
 
 @dataclass(frozen=True)
 class RankRecord:
-    """One pipeline rank's share of the plan."""
+    """One vLLM rank's share of the plan (a pipeline stage, or one TP rank of a stage's group)."""
 
     rank: int
+    """vLLM's global rank: ``stage x tp_size + tp_rank`` (planner/tp_stages.py)."""
     physical_gpu_id: int
     gpu_name: str
     reserve_bytes: int
@@ -34,6 +35,9 @@ class RankRecord:
     num_layers: int
     predicted_non_kv_bytes: int | None
     """What the planner expects vLLM's profile to charge besides the KV cache (no CUDA context)."""
+    stage: int | None = None
+    """Its pipeline rank (None: ``rank``, a pipeline without TP)."""
+    tp_rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -42,15 +46,19 @@ class Handoff:
     partition: tuple[int, ...] | None
     partition_source: str
     """"plan" (the planner's split), "user" (VLLM_PP_LAYER_PARTITION) or "even" (vLLM's own)."""
+    tp_size: int = 1
 
     def rank(self, rank: int) -> RankRecord | None:
-        return self.ranks[rank] if 0 <= rank < len(self.ranks) else None
+        """The record of vLLM's global rank ``rank`` (a worker's ``self.rank``)."""
+        found = [r for r in self.ranks if r.rank == rank]
+        return found[0] if found else None
 
     def to_dict(self) -> dict:
         return {
             "ranks": [asdict(r) for r in self.ranks],
             "partition": list(self.partition) if self.partition else None,
             "partition_source": self.partition_source,
+            "tp_size": self.tp_size,
         }
 
     @classmethod
@@ -60,6 +68,7 @@ class Handoff:
             ranks=tuple(RankRecord(**r) for r in data["ranks"]),
             partition=tuple(part) if part else None,
             partition_source=data["partition_source"],
+            tp_size=data.get("tp_size", 1),
         )
 
 

@@ -30,7 +30,8 @@ GiB = 1024**3
 @dataclass
 class AppliedPlan:
     plan: object  # vllm_dualgpu.planner.Plan
-    gpus: list[VisibleGpu]  # in rank order
+    gpus: list[VisibleGpu]  # in vLLM's rank order
+    tp_size: int = 1  # each pipeline stage's TP group
 
 
 def speculative_dict(vllm_config) -> dict | None:
@@ -42,6 +43,9 @@ def speculative_dict(vllm_config) -> dict | None:
     if draft is not None and draft.model != vllm_config.model_config.model:
         out["model"] = draft.model
         out["draft_hf_config"] = draft.hf_config.to_dict()
+        # vLLM's resolved value: the target's TP size, or 1 (planner/tp_stages.py)
+        if getattr(sc, "draft_tensor_parallel_size", None):
+            out["draft_tensor_parallel_size"] = sc.draft_tensor_parallel_size
     return out
 
 
@@ -76,26 +80,26 @@ def plan_request(vllm_config, user_partition: list[int] | None):
     )
 
 
-def choose_gpus(visible: list[VisibleGpu], pp_size: int) -> list[VisibleGpu]:
-    if len(visible) < pp_size:
-        raise ValueError(
-            f"--pipeline-parallel-size {pp_size} needs {pp_size} GPUs, but only {len(visible)} "
-            f"{'is' if len(visible) == 1 else 'are'} visible "
-            f"({', '.join(g.name for g in visible) or 'none'}). Lower the size or check "
-            "CUDA_VISIBLE_DEVICES."
-        )
-    if len(visible) > pp_size:
+def choose_gpus(visible: list[VisibleGpu], pp_size: int, tp_size: int = 1) -> list[VisibleGpu]:
+    from vllm_dualgpu.planner.tp_stages import too_few_cards
+
+    need = pp_size * tp_size
+    why = too_few_cards(pp_size, tp_size, [g.name for g in visible])
+    if why:
+        raise ValueError(why)
+    if len(visible) > need:
         logger.warning(
-            "%d GPUs visible, pipeline_parallel_size=%d: using the first %d (%s); set "
-            "CUDA_VISIBLE_DEVICES to choose others",
-            len(visible), pp_size, pp_size, ", ".join(f"{g.physical_id}:{g.name}" for g in visible[:pp_size]),
+            "%d GPUs visible, %s=%d: using the first %d (%s); set CUDA_VISIBLE_DEVICES to choose "
+            "others", len(visible),
+            "pipeline_parallel_size" if tp_size == 1 else "pipeline_parallel_size x tensor_parallel_size",
+            need, need, ", ".join(f"{g.physical_id}:{g.name}" for g in visible[:need]),
         )
-    return visible[:pp_size]
+    return visible[:need]
 
 
 def apply_plan(vllm_config) -> AppliedPlan:
     from vllm_dualgpu.nvml import to_gpu_facts
-    from vllm_dualgpu.planner import ModelSpec
+    from vllm_dualgpu.planner.tp_stages import plan_stages
 
     pc = vllm_config.parallel_config
     pp = pc.pipeline_parallel_size
@@ -119,23 +123,30 @@ def apply_plan(vllm_config) -> AppliedPlan:
         ) from exc
     settings = _settings(vllm_config)
     reserves_visible = envs.expand_reserves(settings["reserve_bytes"], len(visible))
-    used = choose_gpus(visible, pp)
-    model = ModelSpec.from_hf_config(
-        vllm_config.model_config.hf_config.to_dict(),
-        quantization=vllm_config.model_config.quantization,
-    )
+    tp = pc.tensor_parallel_size
+    used = choose_gpus(visible, pp, tp)
     user_partition = settings["user_partition"]
     caps = _utilization_caps(settings.get("gpu_memory_utilization"), [g.total_bytes for g in used])
     facts = to_gpu_facts(used, reserves_visible[: len(used)], caps)
     request = plan_request(vllm_config, user_partition)
-    result = plan_or_explain(model, facts, request)
+    stages = plan_stages(vllm_config.model_config.hf_config.to_dict(), facts, pp, tp, request,
+                         quantization=vllm_config.model_config.quantization)
+    for note in stages.notes:
+        logger.info("vllm-dualgpu: %s", note)
+    model, cards, request = stages.model, list(stages.cards), stages.request
+    result = plan_or_explain(model, cards, request)
     # Where vLLM is loaded its own (patched) KV functions price the split: plan and run agree.
     result, _ = kv_pricing.reprice(
-        vllm_config, result, lambda layout: plan_or_explain(model, facts, request, kv_layout=layout))
+        vllm_config, result, lambda layout: plan_or_explain(model, cards, request, kv_layout=layout))
 
-    ranked = [used[i] for i in result.order]
+    # vLLM's rank r runs on assigned_physical_gpu_ids[r]: the multiprocess executor gives worker
+    # r local_rank r (v1/executor/multiproc_executor.py:190 in 0.30.0, :206 in 0.33.0; one
+    # node), and the platform maps that device id through the list (platforms/interface.py:300
+    # in 0.30.0, :303 in 0.33.0); ranks are stage x tp + tp_rank (planner/tp_stages.rank_cards).
+    placed = stages.rank_cards(result.order)
+    ranked = [used[card.index] for _, _, card in placed]  # facts are indexed by position in used
     pc.assigned_physical_gpu_ids = [g.physical_id for g in ranked]
-    record = _handoff(result, ranked, user_partition)
+    record = _handoff(result, ranked, user_partition, stages)
     partition.export(record.partition if record.partition_source == "plan" else None)
     handoff.store(vllm_config, record)
     if pc.worker_cls == STOCK_WORKER:
@@ -148,14 +159,19 @@ def apply_plan(vllm_config) -> AppliedPlan:
     for line in _overrides(vllm_config, user_partition):
         logger.info(line)
     logger.info(
-        "vllm-dualgpu plan: ranks %s, layers %s, predicted KV pool %s blocks, max context %s tokens",
-        " -> ".join(f"{g.physical_id}:{g.name} ({g.free_bytes / GiB:.1f}/{g.total_bytes / GiB:.1f} GiB free)" for g in ranked),
+        "vllm-dualgpu plan: %s %s, layers %s, predicted KV pool %s blocks, max context %s tokens",
+        "ranks" if tp == 1 else f"TP {tp} stages",
+        " -> ".join(" + ".join(_gpu_text(g) for g in ranked[i:i + tp]) for i in range(0, len(ranked), tp)),
         "/".join(str(n) for n in result.partition),
         f"{result.num_blocks:,}",
         f"{result.max_context_tokens:,}",
     )
-    _write_plan_file(result, ranked)
-    return AppliedPlan(result, ranked)
+    _write_plan_file(result, ranked, [card.index for _, _, card in placed])
+    return AppliedPlan(result, ranked, tp)
+
+
+def _gpu_text(g: VisibleGpu) -> str:
+    return f"{g.physical_id}:{g.name} ({g.free_bytes / GiB:.1f}/{g.total_bytes / GiB:.1f} GiB free)"
 
 
 def _settings(vllm_config) -> dict:
@@ -170,24 +186,34 @@ def _settings(vllm_config) -> dict:
     return settings
 
 
-def _handoff(result, ranked: list[VisibleGpu], user_partition) -> handoff.Handoff:
-    """The per-rank record the workers read (see engine/handoff.py for what it may hold)."""
+def _handoff(result, ranked: list[VisibleGpu], user_partition, stages=None) -> handoff.Handoff:
+    """The per-rank record the workers read (see engine/handoff.py for what it may hold): one a
+    vLLM rank, each rank of a TP group with its stage's plan and its own card's reserve and cap
+    (``stages``: planner/tp_stages.TpStages; None: a pipeline of single cards)."""
+    if stages is not None:
+        placed, tp, extra = stages.rank_cards(result.order), stages.tp, stages.extra_reserve_bytes
+    else:
+        placed, tp, extra = [(p, 0, r.gpu) for p, r in enumerate(result.ranks)], 1, 0
     ranks = []
-    for r, g in zip(result.ranks, ranked):
+    for rank, ((stage, tp_rank, card), g) in enumerate(zip(placed, ranked)):
+        r = result.ranks[stage]
         context = r.fixed_detail.get("cuda_context", 0)
         ranks.append(handoff.RankRecord(
-            rank=r.rank,
+            rank=rank,
             physical_gpu_id=g.physical_id,
             gpu_name=g.name,
-            reserve_bytes=r.gpu.reserve_bytes,
-            cap_bytes=r.gpu.cap_bytes,
+            reserve_bytes=card.reserve_bytes,
+            cap_bytes=card.cap_bytes,
             num_layers=r.num_layers,
             # What vLLM's profile will charge besides the KV cache: the planner's fixed costs,
-            # weights and reserves, less the CUDA context vLLM's start snapshot already holds.
-            predicted_non_kv_bytes=r.budget_bytes - r.kv_budget_bytes - context,
+            # weights and reserves, less the CUDA context vLLM's start snapshot already holds,
+            # plus what a TP rank needs beyond its shard (its stage card's extra reserve).
+            predicted_non_kv_bytes=r.budget_bytes - r.kv_budget_bytes - context + extra,
+            stage=stage,
+            tp_rank=tp_rank,
         ))
     source = "user" if user_partition is not None else ("plan" if result.partition_env() else "even")
-    return handoff.Handoff(tuple(ranks), tuple(result.partition), source)
+    return handoff.Handoff(tuple(ranks), tuple(result.partition), source, tp)
 
 
 # A predicted shortfall this small is left to vLLM's measurement (the memory model is an estimate;
@@ -214,7 +240,7 @@ def plan_or_explain(model, facts, request, kv_layout=None):
     return f.plan
 
 
-def _write_plan_file(result, ranked: list[VisibleGpu]) -> None:
+def _write_plan_file(result, ranked: list[VisibleGpu], positions: list[int]) -> None:
     """``VLLM_DUALGPU_PLAN_FILE=path``: keep the applied plan as JSON (for tools and tests)."""
     path = os.environ.get(envs.PLAN_FILE)
     if not path:
@@ -222,6 +248,9 @@ def _write_plan_file(result, ranked: list[VisibleGpu]) -> None:
     data = result.to_json()
     data = json.loads(data) if isinstance(data, str) else dict(data)
     data["physical_gpu_ids"] = [g.physical_id for g in ranked]
+    # every rank's card (its position among the visible GPUs): with TP stages the plan's own
+    # order names only each stage's first card
+    data["cuda_visible_devices"] = ",".join(map(str, positions))
     data["partition"] = list(result.partition)
     with open(path, "w") as f:
         json.dump(data, f, indent=1)

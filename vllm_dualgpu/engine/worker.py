@@ -256,7 +256,17 @@ class DualGpuWorker(Worker):
             ctx = min(kv_tokens, self.model_config.max_model_len)
             rank_summary.note("max context", f"{ctx:,} tokens (pool {kv_tokens:,})")
         rank_summary.note("free after", _gib(free))
-        logger.info(rank_summary.line(f"vllm-dualgpu rank {pp_rank}/{pp_size}: "))
+        logger.info(rank_summary.line(self._summary_prefix(pp_rank, pp_size, plan)))
+
+    def _summary_prefix(self, pp_rank: int, pp_size: int, plan) -> str:
+        """``rank P/N`` for a pipeline; with TP groups as stages, the global rank, its stage
+        and its TP rank (from this rank's hand-off record, vLLM's layout otherwise)."""
+        tp = plan.tp_size if plan else 1
+        if tp == 1:
+            return f"vllm-dualgpu rank {pp_rank}/{pp_size}: "
+        record = getattr(self, "_dualgpu_rank", None)
+        tp_rank = record.tp_rank if record else self.rank % tp
+        return f"vllm-dualgpu rank {self.rank} (stage {pp_rank}/{pp_size}, TP rank {tp_rank}/{tp}): "
 
     def initialize_from_config(self, kv_cache_config) -> None:
         super().initialize_from_config(kv_cache_config)

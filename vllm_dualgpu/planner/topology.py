@@ -322,10 +322,8 @@ class ReplicaPlan:
         if self.pp == 1:
             tp = f" --tensor-parallel-size {self.tp}" if self.tp > 1 else ""
             return True, f"stock vLLM: vllm serve MODEL{tp}"
-        if self.tp == 1:
-            return True, f"vllm serve MODEL --pipeline-parallel-size {self.pp} --distributed-executor-backend dualgpu"
-        return False, (f"TP inside pipeline stages: not yet with the dualgpu executor; stock vLLM "
-                       f"(-tp {self.tp} -pp {self.pp}) runs it with an even split and one memory utilization")
+        tp = f" --tensor-parallel-size {self.tp}" if self.tp > 1 else ""
+        return True, f"vllm serve MODEL --pipeline-parallel-size {self.pp}{tp} --distributed-executor-backend dualgpu"
 
     def to_dict(self) -> dict:
         ok, how = self.serve_today()
@@ -429,6 +427,23 @@ class TopologyPlan:
         }
 
 
+def stage_cards(full: ModelSpec, shard: ModelSpec, stages, tp: int,
+                request: PlanRequest) -> tuple[list[GpuFacts], list[str], int]:
+    """One card standing for each TP group of ``stages`` (index: the stage's position), charged
+    what a TP rank needs beyond its shard config (:func:`tp_extra_reserve`); the notes; that
+    charge."""
+    from vllm_dualgpu.planner.memory import default_batch_limits
+
+    first = stages[0][0].gpu
+    seqs = request.max_num_seqs or default_batch_limits(first.total_bytes, first.name)[1]
+    extra = tp_extra_reserve(full, shard, tp, seqs, request.memory)
+    cards = [_stage_card(s, j, extra) for j, s in enumerate(stages)]
+    notes = []
+    if any(len({c.gpu.budget_bytes for c in s}) > 1 for s in stages):
+        notes.append("TP groups planned as equals at the smaller card's free memory")
+    return cards, notes, extra
+
+
 def _stage_card(stage: tuple[Card, ...], index: int, extra_reserve: int) -> GpuFacts:
     """One card standing for a TP group: the smallest budget and the slowest bandwidth of it."""
     small = min(stage, key=lambda c: (c.gpu.budget_bytes, c.gpu.index))
@@ -490,15 +505,8 @@ def plan_replica(
     if shard is None:
         rp.reason = shard_error or "cannot shard the model"
         return rp
-    mm = request.memory
-    from vllm_dualgpu.planner.memory import default_batch_limits
-
-    first = layout.stages[0][0].gpu
-    seqs = request.max_num_seqs or default_batch_limits(first.total_bytes, first.name)[1]
-    extra = tp_extra_reserve(full, shard, tp, seqs, mm)
-    cards = [_stage_card(s, j, extra) for j, s in enumerate(layout.stages)]
-    if any(len({c.gpu.budget_bytes for c in s}) > 1 for s in layout.stages):
-        rp.notes.append("TP groups planned as equals at the smaller card's free memory")
+    cards, notes, _ = stage_cards(full, shard, layout.stages, tp, request)
+    rp.notes += notes
     hosts = layout.hosts
     orders: list[list[int] | None] = [None]
     if len(hosts) > 1:  # keep each host's stages together; try every order of the hosts

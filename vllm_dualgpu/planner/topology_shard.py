@@ -29,7 +29,8 @@ VOCAB_PADDING = 64
 
 def _div(value: int, tp: int, what: str) -> int:
     if value % tp:
-        raise BadRequest(f"tensor parallel size {tp} does not divide the model's {what} ({value}); vLLM refuses it")
+        raise BadRequest(f"tensor parallel size {tp} does not divide the model's {what} ({value}); vLLM "
+                         f"refuses it: use a TP size that divides {value}")
     return value // tp
 
 
@@ -55,7 +56,8 @@ def shard_config(cfg: dict, tp: int) -> dict:
         text["num_key_value_heads"] = _div(nKV, tp, "KV heads")
     else:
         if tp % nKV:
-            raise BadRequest(f"tensor parallel size {tp} is not a multiple of the model's {nKV} KV heads; vLLM refuses it")
+            raise BadRequest(f"tensor parallel size {tp} is not a multiple of the model's {nKV} KV heads; vLLM "
+                             f"refuses it: use a TP size that divides {nKV} or a multiple of it")
         text["num_key_value_heads"] = 1  # replicated: one KV head per rank
     for key in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
         if text.get(key):

@@ -171,7 +171,7 @@ def test_bad_arguments_exit_2(capsys):
         (["--gpus", "Mystery:oops"], "--gpus: cannot read 'oops' as a memory size"),
         (["--layer-partition", "10,10"], "sums to 20"),
         (["--weight-format", "fp7"], "unknown weight format"),
-        (["-tp", "2"], "tensor-parallel-size 1"),
+        (["-tp", "2"], "-tp 2 with -pp 1 is one TP group"),  # the reference pair: two cards
         (["/nonexistent/model"], "cannot find"),
         (["--reference", "llama"], "unknown reference model"),
     ]:
