@@ -34,6 +34,8 @@ class RankRecord:
     num_layers: int
     predicted_non_kv_bytes: int | None
     """What the planner expects vLLM's profile to charge besides the KV cache (no CUDA context)."""
+    node_id: str | None = None
+    """The Ray node of this rank (the dualgpu-ray executor); None on one host."""
 
 
 @dataclass(frozen=True)

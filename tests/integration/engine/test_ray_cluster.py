@@ -1,0 +1,182 @@
+"""The dualgpu-ray executor's planning on a local Ray cluster with the seed-002 fleet's cards.
+
+Four Ray nodes on this machine (``ray.cluster_utils.Cluster``): box1 and box2 of the recorded
+fleet (tests/fixtures/ray_fleet_seed002.json) with two GPU resources each, box3 whose NVML fails
+(no driver) and a head node whose NVML hangs. Only NVML is faked (tests/fixtures/fake_nvml on
+each node's PYTHONPATH); the facts travel through the package's own Ray task, vLLM's config is
+real and the placement group is Ray's. The cluster starts once for the module.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from importlib import metadata
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="the dualgpu-ray tests need ray (pip install ray)")
+
+from vllm_dualgpu import envs  # noqa: E402
+from vllm_dualgpu.engine import handoff, partition, ray_facts, ray_planning  # noqa: E402
+from vllm_dualgpu.planner.cluster import ClusterRefused  # noqa: E402
+
+FIXTURES = Path(__file__).parents[2] / "fixtures"
+FLEET = json.loads((FIXTURES / "ray_fleet_seed002.json").read_text())["nodes"]
+MIB = 1 << 20
+# A Qwen3-8B-class dense model in bf16 (about 15 GiB of weights): needs all four 16 GB cards.
+QWEN3_8B = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
+    "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000,
+    "torch_dtype": "bfloat16", "tie_word_embeddings": False,
+}
+
+
+def node_env(**extra) -> dict:
+    return {"PYTHONPATH": str(FIXTURES / "fake_nvml"), **extra}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "include_dashboard": False, "env_vars": node_env(FAKE_NVML_DELAY="30")})
+    nodes = {}
+    for name, facts, fail in (("box1", FLEET[0], None), ("box2", FLEET[1], None), ("box3", None, "Driver Not Loaded")):
+        env = node_env(FAKE_NVML_GPUS=json.dumps(facts["gpus"] if facts else [{}, {}]))
+        if fail:
+            env["FAKE_NVML_FAIL"] = fail
+        nodes[name] = c.add_node(num_cpus=1, num_gpus=2, resources={name: 2}, env_vars=env)
+    ray.init(address=c.address, include_dashboard=False)
+    yield SimpleNamespace(ids={k: n.node_id for k, n in nodes.items()}, head=c.head_node.node_id)
+    ray.shutdown()
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def facts(cluster):
+    return {f.node_id: f for f in ray_facts.gather(ray_facts.gpu_nodes())}
+
+
+@pytest.fixture
+def config(tmp_path):
+    import vllm.platforms
+    from vllm.platforms.cpu import CpuPlatform
+
+    vllm.platforms._current_platform = CpuPlatform()
+    import vllm_dualgpu
+
+    vllm_dualgpu.register()
+    from vllm.engine.arg_utils import EngineArgs
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_8B))
+    cfg = EngineArgs(model=str(tmp_path), load_format="dummy", skip_tokenizer_init=True,
+                     pipeline_parallel_size=4, distributed_executor_backend="dualgpu-ray",
+                     max_model_len=16384).create_engine_config()
+    cfg.parallel_config.worker_cls = ray_planning.planning.STOCK_WORKER
+    return cfg
+
+
+@pytest.fixture(autouse=True)
+def restore_environ():
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+    partition._exported = None
+
+
+def test_each_node_reports_its_own_cards_through_the_ray_task(cluster, facts):
+    assert set(facts) == {cluster.ids["box1"], cluster.ids["box2"], cluster.ids["box3"]}
+    for name, recorded in (("box1", FLEET[0]), ("box2", FLEET[1])):
+        f = facts[cluster.ids[name]]
+        assert f.error is None
+        assert [(g.index, g.name, g.total_bytes, g.free_bytes) for g in f.gpus] == [
+            (g["index"], g["name"], g["total_bytes"], g["free_bytes"]) for g in recorded["gpus"]]
+        assert f.versions["vllm"] == metadata.version("vllm")
+        assert f.versions["torch"] == metadata.version("torch")
+        assert f.ip == ray.nodes()[0]["NodeManagerAddress"]
+        assert "lo" in f.interfaces
+    broken = facts[cluster.ids["box3"]]
+    assert broken.gpus == () and "Driver Not Loaded" in broken.error
+
+
+def test_a_node_that_does_not_answer_in_time(cluster):
+    head = [n for n in ray.nodes() if n["NodeID"] == cluster.head]
+    (f,) = ray_facts.gather(head, timeout_s=2)
+    assert f.error == "no answer within 2 s" and f.node_id == cluster.head
+
+
+def test_unreachable_facts_refuse_before_any_placement_group(cluster, config):
+    with pytest.raises(ClusterRefused) as e:
+        ray_planning.apply_cluster_plan(config)
+    first = str(e.value).splitlines()[0]
+    assert cluster.ids["box3"][:8] in first and "Driver Not Loaded" in first
+    assert config.parallel_config.placement_group is None
+    assert ray_planning.BUNDLE_ENV not in os.environ
+
+
+def test_bundle_indices_of_the_user_are_refused(cluster, config, monkeypatch):
+    monkeypatch.setenv(ray_planning.BUNDLE_ENV, "0,1,2,3")
+    with pytest.raises(ClusterRefused, match="VLLM_RAY_BUNDLE_INDICES=0,1,2,3 is set"):
+        ray_planning.apply_cluster_plan(config)
+
+
+@pytest.fixture(scope="module")
+def fleet_group(cluster):
+    """box2's bundles first in the group: the rank order must not follow bundle order."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    pg = placement_group([{"GPU": 1, "box2": 1}] * 2 + [{"GPU": 1, "box1": 1}] * 2, strategy="PACK")
+    ray.get(pg.ready(), timeout=60)
+    yield pg
+    remove_placement_group(pg)
+
+
+def test_plan_on_the_recorded_fleet(cluster, facts, config, fleet_group):
+    box1, box2 = cluster.ids["box1"], cluster.ids["box2"]
+    bundles = ray_planning.bundle_nodes(fleet_group)
+    assert bundles == [(0, box2), (1, box2), (2, box1), (3, box1)]
+    applied = ray_planning.apply_to_bundles(config, [facts[box1], facts[box2]], bundles)
+
+    # box1's cards first (bundles 2, 3), then box2's, its card with the most free memory last
+    assert os.environ[ray_planning.BUNDLE_ENV] == "2,3,0,1"
+    record = handoff.load(config)
+    assert [(r.node_id, r.physical_gpu_id) for r in record.ranks] == [(box1, 0), (box1, 1), (box2, 1), (box2, 0)]
+    assert [r.gpu_name for r in record.ranks] == ["NVIDIA GeForce RTX 5080"] * 2 + ["NVIDIA GeForce RTX 4070 Ti SUPER"] * 2
+    assert all(r.reserve_bytes == envs.DEFAULT_RESERVE_BYTES and r.cap_bytes is None for r in record.ranks)
+    # the planner budgets each rank by the one rule: free memory of its card minus the reserve
+    free_mib = [15610, 15890, 15750, 16020]
+    assert [r.gpu.budget_bytes for r in applied.plan.ranks] == [m * MIB - envs.DEFAULT_RESERVE_BYTES for m in free_mib]
+    assert sum(record.partition) == QWEN3_8B["num_hidden_layers"] and len(record.partition) == 4
+    assert os.environ["VLLM_PP_LAYER_PARTITION"] == ",".join(map(str, record.partition))
+    assert config.parallel_config.worker_cls == ray_planning.planning.OUR_WORKER
+    assert ray_planning.node_gpu_order(record, 0) == [0, 1]
+    assert ray_planning.node_gpu_order(record, 3) == [1, 0]
+
+
+def test_each_worker_takes_its_nodes_gpus_in_planned_order(cluster, facts, config, fleet_group):
+    ray_planning.apply_to_bundles(config, [facts[cluster.ids["box1"]], facts[cluster.ids["box2"]]],
+                                  ray_planning.bundle_nodes(fleet_group))
+    pc = copy.deepcopy(config.parallel_config)
+    pc.assigned_physical_gpu_ids = [0, 1]  # what RayExecutorV2 hands every worker of a node: sorted
+    worker = SimpleNamespace(vllm_config=config, rank=2, parallel_config=pc)
+    ray_planning.prepare_worker(worker)
+    assert pc.assigned_physical_gpu_ids == [1, 0]
+    assert pc.distributed_executor_backend == "ray"
+    pc.assigned_physical_gpu_ids = [0, 2]
+    with pytest.raises(RuntimeError, match="Ray gave this node GPUs"):
+        ray_planning.prepare_worker(worker)
+
+
+def test_the_bare_name_selects_the_ray_executor(config):
+    from vllm_dualgpu.engine.ray_executor import DualGpuRayExecutor
+
+    assert config.parallel_config.distributed_executor_backend is DualGpuRayExecutor
+    assert config.parallel_config.use_ray
