@@ -4,9 +4,9 @@ Runs in the EngineCore process before :class:`vllm.v1.executor.ray_executor_v2.R
 spawns its workers. It gathers each GPU node's facts by a Ray task on that node
 (:mod:`vllm_dualgpu.engine.ray_facts`), refuses what cannot work
 (:func:`vllm_dualgpu.planner.cluster.cluster_problems`), lets vLLM create its placement group,
-orders the ranks across nodes (:func:`vllm_dualgpu.planner.cluster.rank_order`), asks the
-planner for the split and budgets with that order fixed, and hands them over through vLLM's
-own interfaces:
+plans each order of the nodes the fleet planner would (:func:`vllm_dualgpu.planner.cluster.rank_orders`:
+a node's cards together) with the order fixed, keeps the fleet planner's choice
+(:func:`vllm_dualgpu.planner.cluster.best_plan`), and hands it over through vLLM's own interfaces:
 
 - ``VLLM_RAY_BUNDLE_INDICES``: which placement-group bundle (so which node) each rank takes;
   RayExecutorV2 reads it in place of its driver-node-first sort (``get_bundles_for_indices``);
@@ -33,9 +33,10 @@ from vllm_dualgpu.planner.cluster import (
     ClusterRefused,
     NodeFacts,
     cluster_problems,
+    best_plan,
     describe,
     plan_cards,
-    rank_order,
+    rank_orders,
     refuse_if_any,
 )
 
@@ -107,20 +108,17 @@ def apply_to_bundles(vllm_config, nodes: list[NodeFacts], bundles: list[tuple[in
     pc = vllm_config.parallel_config
     held = Counter(node for _, node in bundles)
     refuse_if_any(cluster_problems(nodes, dict(held), pc.world_size, pc.tensor_parallel_size, driver_env()))
-    order = rank_order([n for n in nodes if not n.error and held.get(n.node_id)])
     settings = planning._settings(vllm_config)
     sizes = settings["reserve_bytes"]
     if len(sizes) > 1:
         raise ClusterRefused(f"vllm-dualgpu: {envs.RESERVE} lists one reserve per card, which names cards of "
                              "one host; across Ray nodes give one value for every card")
-    reserves = sizes * len(order)
-    caps = planning._utilization_caps(settings.get("gpu_memory_utilization"), [g.total_bytes for _, g in order])
-    cards = plan_cards(order, reserves, caps)
     model = ModelSpec.from_hf_config(vllm_config.model_config.hf_config.to_dict(),
                                      quantization=vllm_config.model_config.quantization)
     user_partition = settings["user_partition"]
-    request = replace(planning.plan_request(vllm_config, user_partition), gpu_order=list(range(len(cards))))
-    result = planning.plan_or_explain(model, cards, request)
+    request = planning.plan_request(vllm_config, user_partition)
+    order, result = plan_across_nodes(model, [n for n in nodes if not n.error and held.get(n.node_id)],
+                                      request, sizes[0], settings.get("gpu_memory_utilization"))
 
     # Bundles of one node are interchangeable (vLLM maps a node's workers to its GPUs by local
     # rank), so each rank takes the next unused bundle of its node.
@@ -142,6 +140,32 @@ def apply_to_bundles(vllm_config, nodes: list[NodeFacts], bundles: list[tuple[in
                 "max context %s tokens", describe(order), "/".join(map(str, result.partition)),
                 os.environ[BUNDLE_ENV], f"{result.num_blocks:,}", f"{result.max_context_tokens:,}")
     return planning.AppliedPlan(result, ranked)
+
+
+def plan_across_nodes(model, nodes: list[NodeFacts], request, reserve: int, utilization: float | None):
+    """The rank order and plan: every order :func:`rank_orders` offers is planned with the order
+    fixed, and the fleet planner's rule picks among those that fit (``plan --fleet`` shows the
+    same choice); when none fits, the one reaching the longest context explains or warns
+    (:func:`vllm_dualgpu.engine.planning.plan_or_explain`)."""
+    from vllm_dualgpu.planner import PlanError, fit
+
+    tried, errors = [], []
+    for order in rank_orders(nodes):
+        caps = planning._utilization_caps(utilization, [g.total_bytes for _, g in order])
+        cards = plan_cards(order, [reserve] * len(order), caps)
+        req = replace(request, gpu_order=list(range(len(cards))))
+        try:
+            tried.append((order, cards, req, fit(model, cards, req)))
+        except PlanError as e:  # does not fit at all in this order
+            errors.append(e)
+    if not tried:
+        raise errors[0]
+    fitting = [t for t in tried if t[3].fits]
+    if fitting:
+        chosen = best_plan([t[3].plan for t in fitting])
+        return next((o, f.plan) for o, _, _, f in fitting if f.plan is chosen)
+    order, cards, req, _ = max(tried, key=lambda t: t[3].largest_max_model_len)
+    return order, planning.plan_or_explain(model, cards, req)
 
 
 def node_gpu_order(plan: handoff.Handoff | None, rank: int) -> list[int] | None:

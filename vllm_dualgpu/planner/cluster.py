@@ -25,10 +25,12 @@ What is refused, one line each (:func:`cluster_problems`), and why:
 from __future__ import annotations
 
 import ipaddress
+import itertools
 from dataclasses import dataclass, field, replace
 
 from vllm_dualgpu.planner.errors import PlanError
 from vllm_dualgpu.planner.gpus import GIB, GpuFacts
+from vllm_dualgpu.planner.search import POOL_TOLERANCE
 
 IFNAME_VARS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
 VERSION_KEYS = ("vllm", "torch", "nccl")
@@ -170,12 +172,27 @@ def _spend_key(g: GpuFacts) -> tuple:
     return (g.budget_bytes, g.total_bytes, g.bandwidth_gbps or 0, g.index)
 
 
-def rank_order(nodes: list[NodeFacts]) -> list[tuple[NodeFacts, GpuFacts]]:
-    """Ranks across nodes: each node's cards together (one network hop per node boundary), the
-    node holding the card with the most memory last, and that card last of all (it holds the
-    output head and the sampler); the other nodes and cards by their memory, smallest first."""
-    nodes = sorted(nodes, key=lambda n: (max(map(_spend_key, n.gpus)), n.ip, n.node_id))
-    return [(n, g) for n in nodes for g in sorted(n.gpus, key=_spend_key)]
+#: Up to this many nodes every order of the nodes is planned (the fleet planner does the same).
+MAX_PERMUTED_NODES = 4
+
+
+def rank_orders(nodes: list[NodeFacts]) -> list[list[tuple[NodeFacts, GpuFacts]]]:
+    """The rank orders worth planning: each node's cards together (one network hop per node
+    boundary), smallest budget first inside a node, as ``plan --fleet`` orders a host's stages;
+    every order of the nodes, the first one with the node holding the card with the most
+    memory last (that card then last of all: it holds the output head and the sampler)."""
+    base = sorted(nodes, key=lambda n: (max(map(_spend_key, n.gpus)), n.ip, n.node_id))
+    inside = {n.node_id: sorted(n.gpus, key=lambda g: (g.budget_bytes, g.total_bytes, g.index)) for n in base}
+    perms = itertools.permutations(base) if len(base) <= MAX_PERMUTED_NODES else [base]
+    return [[(n, g) for n in perm for g in inside[n.node_id]] for perm in perms]
+
+
+def best_plan(plans: list, hops=lambda p: 0):
+    """The fleet planner's choice among plans that fit: the largest KV pool (within the
+    planner's POOL_TOLERANCE), then the fewest network hops, then the fastest decode step."""
+    best = max(p.num_blocks for p in plans)
+    near = [p for p in plans if p.num_blocks >= best * POOL_TOLERANCE]
+    return min(near, key=lambda p: (hops(p), p.predicted_decode_ms or 0.0))
 
 
 def plan_cards(order: list[tuple[NodeFacts, GpuFacts]], reserves: list[int],

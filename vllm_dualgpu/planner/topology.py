@@ -21,10 +21,11 @@ import itertools
 import re
 from dataclasses import dataclass, field, replace
 
+from vllm_dualgpu.planner.cluster import best_plan
 from vllm_dualgpu.planner.errors import BadRequest, ModelDoesNotFit, PlanError
 from vllm_dualgpu.planner.gpus import GpuFacts, parse_gpus
 from vllm_dualgpu.planner.model import ModelSpec
-from vllm_dualgpu.planner.search import POOL_TOLERANCE, Fit, Plan, PlanRequest, fit, plan
+from vllm_dualgpu.planner.search import Fit, Plan, PlanRequest, fit, plan
 from vllm_dualgpu.planner.topology_shard import shard_config, tp_extra_reserve
 from vllm_dualgpu.planner.topology_speed import LinkModel, StageSpeed, step_ms, throughput
 
@@ -534,9 +535,7 @@ def plan_replica(
         hs = [layout.stages[i][0].host for i in p.order]
         return [a != b for a, b in zip(hs, hs[1:])]
 
-    best = max(p.num_blocks for p in plans)
-    near = [p for p in plans if p.num_blocks >= best * POOL_TOLERANCE]
-    chosen = min(near, key=lambda p: (sum(hops_of(p)), p.predicted_decode_ms or 0.0))
+    chosen = best_plan(plans, lambda p: sum(hops_of(p)))
     rp.plan = chosen
     rp.fits = True
     rp.stage_of_rank = [layout.stages[i] for i in chosen.order]

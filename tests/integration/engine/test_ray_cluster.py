@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+from dataclasses import replace
 from importlib import metadata
 from pathlib import Path
 from types import SimpleNamespace
@@ -140,33 +141,53 @@ def fleet_group(cluster):
 
 
 def test_plan_on_the_recorded_fleet(cluster, facts, config, fleet_group):
+    from vllm_dualgpu.engine import planning
+    from vllm_dualgpu.planner.topology import Fleet, Host, plan_fleet
+
     box1, box2 = cluster.ids["box1"], cluster.ids["box2"]
+    host = {box1: "box1", box2: "box2"}
     bundles = ray_planning.bundle_nodes(fleet_group)
     assert bundles == [(0, box2), (1, box2), (2, box1), (3, box1)]
     applied = ray_planning.apply_to_bundles(config, [facts[box1], facts[box2]], bundles)
-
-    # box1's cards first (bundles 2, 3), then box2's, its card with the most free memory last
-    assert os.environ[ray_planning.BUNDLE_ENV] == "2,3,0,1"
     record = handoff.load(config)
-    assert [(r.node_id, r.physical_gpu_id) for r in record.ranks] == [(box1, 0), (box1, 1), (box2, 1), (box2, 0)]
-    assert [r.gpu_name for r in record.ranks] == ["NVIDIA GeForce RTX 5080"] * 2 + ["NVIDIA GeForce RTX 4070 Ti SUPER"] * 2
+    ranks = [(host[r.node_id], r.physical_gpu_id) for r in record.ranks]
+
+    # `vllm-dualgpu plan --fleet` on the same cards (the executor's reserve) and the same
+    # request picks the same rank order and split for its one pipeline across the hosts.
+    fleet = Fleet(tuple(Host(host[n], tuple(replace(g, reserve_bytes=envs.DEFAULT_RESERVE_BYTES)
+                                            for g in facts[n].gpus)) for n in (box1, box2)))
+    offline = plan_fleet(QWEN3_8B, fleet, planning.plan_request(config, None), tp_sizes=(1,))
+    rp = offline.get("fleet-tp1").replicas[0]
+    assert rp.fits
+    assert ranks == [(s[0].host, s[0].gpu.index) for s in rp.stage_of_rank]
+    assert record.partition == tuple(rp.plan.partition)
+    assert ranks[0][0] != ranks[-1][0] and len({h for h, _ in ranks[:2]}) == 1  # hosts kept together
+
+    # each rank takes a bundle on its own node (box2's are 0 and 1, box1's 2 and 3)
+    indices = [int(i) for i in os.environ[ray_planning.BUNDLE_ENV].split(",")]
+    assert [dict(bundles)[i] for i in indices] == [r.node_id for r in record.ranks]
+    assert [r.gpu_name for r in record.ranks] == [facts[r.node_id].gpus[r.physical_gpu_id].name for r in record.ranks]
     assert all(r.reserve_bytes == envs.DEFAULT_RESERVE_BYTES and r.cap_bytes is None for r in record.ranks)
     # the planner budgets each rank by the one rule: free memory of its card minus the reserve
-    free_mib = [15610, 15890, 15750, 16020]
-    assert [r.gpu.budget_bytes for r in applied.plan.ranks] == [m * MIB - envs.DEFAULT_RESERVE_BYTES for m in free_mib]
+    free_mib = {(g["index"], n["hostname"]): g["free_bytes"] // MIB for n in FLEET for g in n["gpus"]}
+    assert [r.gpu.budget_bytes for r in applied.plan.ranks] == [
+        free_mib[(i, h)] * MIB - envs.DEFAULT_RESERVE_BYTES for h, i in ranks]
     assert sum(record.partition) == QWEN3_8B["num_hidden_layers"] and len(record.partition) == 4
     assert os.environ["VLLM_PP_LAYER_PARTITION"] == ",".join(map(str, record.partition))
     assert config.parallel_config.worker_cls == ray_planning.planning.OUR_WORKER
-    assert ray_planning.node_gpu_order(record, 0) == [0, 1]
-    assert ray_planning.node_gpu_order(record, 3) == [1, 0]
+    assert ray_planning.node_gpu_order(record, 0) == [i for h, i in ranks if h == ranks[0][0]]
+    assert ray_planning.node_gpu_order(record, 3) == [i for h, i in ranks if h == ranks[3][0]]
 
 
 def test_each_worker_takes_its_nodes_gpus_in_planned_order(cluster, facts, config, fleet_group):
     ray_planning.apply_to_bundles(config, [facts[cluster.ids["box1"]], facts[cluster.ids["box2"]]],
                                   ray_planning.bundle_nodes(fleet_group))
     pc = copy.deepcopy(config.parallel_config)
+    record = handoff.load(config)
+    # a rank on box2, whose card 1 (15750 MiB free) goes before its card 0 (16020 MiB)
+    rank = next(r.rank for r in record.ranks if r.node_id == cluster.ids["box2"])
     pc.assigned_physical_gpu_ids = [0, 1]  # what RayExecutorV2 hands every worker of a node: sorted
-    worker = SimpleNamespace(vllm_config=config, rank=2, parallel_config=pc)
+    worker = SimpleNamespace(vllm_config=config, rank=rank, parallel_config=pc)
     ray_planning.prepare_worker(worker)
     assert pc.assigned_physical_gpu_ids == [1, 0]
     assert pc.distributed_executor_backend == "ray"
@@ -180,3 +201,27 @@ def test_the_bare_name_selects_the_ray_executor(config):
 
     assert config.parallel_config.distributed_executor_backend is DualGpuRayExecutor
     assert config.parallel_config.use_ray
+
+
+def test_executor_logs_the_refusal_first_and_spawns_nothing(cluster, config, monkeypatch):
+    import logging
+
+    from vllm.platforms import current_platform
+
+    from vllm_dualgpu.engine import ray_executor as rx
+
+    monkeypatch.setattr(type(current_platform), "is_cuda", lambda self=None: True)
+    monkeypatch.setattr(rx.RayExecutorV2, "_init_executor", lambda self: pytest.fail("spawned workers"))
+    records = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = records.append
+    rx.logger.addHandler(handler)
+    e = object.__new__(rx.DualGpuRayExecutor)
+    e.vllm_config, e.parallel_config = config, config.parallel_config
+    try:
+        with pytest.raises(ClusterRefused):
+            e._init_executor()
+    finally:
+        rx.logger.removeHandler(handler)
+    assert len(records) == 1 and records[0].levelname == "ERROR"
+    assert "Driver Not Loaded" in records[0].getMessage().splitlines()[0]

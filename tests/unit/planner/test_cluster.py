@@ -14,7 +14,7 @@ from vllm_dualgpu.planner.cluster import (
     cluster_problems,
     ifname_usable,
     plan_cards,
-    rank_order,
+    rank_orders,
     refuse_if_any,
 )
 
@@ -38,22 +38,35 @@ def test_recorded_form_round_trips(fleet):
     assert again == fleet
 
 
-def test_seed002_order_keeps_hosts_together_and_the_most_free_card_last(fleet):
-    # box2's card 0 has the most free memory (16020 MiB): box2 goes last, that card last of all;
-    # box1 before it, its cards smallest first (15610 then 15890 MiB), then box2's card 1 (15750).
-    order = rank_order(fleet)
-    assert [(n.hostname, g.index) for n, g in order] == [("box1", 0), ("box1", 1), ("box2", 1), ("box2", 0)]
+def shown(order):
+    return [(n.hostname, g.index) for n, g in order]
 
 
-def test_node_order_follows_free_memory_not_the_order_nodes_answered(fleet):
+def test_seed002_orders_keep_hosts_together_the_most_free_card_last_first(fleet):
+    # box2's card 0 has the most free memory (16020 MiB): the first order puts box2 last and
+    # that card last of all, box1's cards smallest first (15610 then 15890 MiB); the other
+    # order of the two hosts is planned too (as `plan --fleet` does).
+    assert [shown(o) for o in rank_orders(fleet)] == [
+        [("box1", 0), ("box1", 1), ("box2", 1), ("box2", 0)],
+        [("box2", 1), ("box2", 0), ("box1", 0), ("box1", 1)],
+    ]
+
+
+def test_first_order_follows_free_memory_not_the_order_nodes_answered(fleet):
     box1, box2 = fleet
     roomy = replace(box1, gpus=(box1.gpus[0], replace(box1.gpus[1], free_bytes=16200 * MIB)))
-    order = rank_order([box2, roomy])
-    assert [(n.hostname, g.index) for n, g in order] == [("box2", 1), ("box2", 0), ("box1", 0), ("box1", 1)]
+    assert shown(rank_orders([box2, roomy])[0]) == [("box2", 1), ("box2", 0), ("box1", 0), ("box1", 1)]
+
+
+def test_every_order_of_up_to_four_nodes_then_one(fleet):
+    box = fleet[0]
+    nodes = [replace(box, node_id=str(i) * 56, ip=f"10.0.0.{i}") for i in range(1, 6)]
+    assert len(rank_orders(nodes[:3])) == 6 and len(rank_orders(nodes[:4])) == 24
+    assert len(rank_orders(nodes)) == 1
 
 
 def test_plan_cards_index_by_rank_with_the_budgets_inputs(fleet):
-    cards = plan_cards(rank_order(fleet), [1 << 30] * 4, [10 << 30] * 4)
+    cards = plan_cards(rank_orders(fleet)[0], [1 << 30] * 4, [10 << 30] * 4)
     assert [c.index for c in cards] == [0, 1, 2, 3]
     assert [c.free_bytes // MIB for c in cards] == [15610, 15890, 15750, 16020]
     # the planner's one budget rule: free - reserve, at most the cap
