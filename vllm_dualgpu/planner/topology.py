@@ -317,9 +317,13 @@ class ReplicaPlan:
     def serve_today(self) -> tuple[bool, str]:
         """(runs with this package or stock vLLM today, how)."""
         hosts = self.layout.hosts
+        if len(hosts) > 1 and self.tp == 1:
+            return False, (f"stages across hosts: vllm serve MODEL --pipeline-parallel-size {self.pp} "
+                           "--distributed-executor-backend dualgpu-ray on a Ray cluster (docs/multi-node.md; "
+                           "CPU-tested, not yet run on GPUs)")
         if len(hosts) > 1:
-            return False, ("stages across hosts: not yet with the dualgpu executor (planned: vLLM's Ray "
-                           "backend); stock vLLM on Ray runs it with an even split")
+            return False, ("TP groups as stages across hosts: not yet with the dualgpu-ray executor (it plans "
+                           "TP 1); stock vLLM on Ray runs it with an even split")
         if self.pp == 1:
             tp = f" --tensor-parallel-size {self.tp}" if self.tp > 1 else ""
             return True, f"stock vLLM: vllm serve MODEL{tp}"
