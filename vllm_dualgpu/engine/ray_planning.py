@@ -20,6 +20,7 @@ a node's cards together) with the order fixed, keeps the fleet planner's choice
 from __future__ import annotations
 
 import inspect
+import json
 import os
 from collections import Counter
 from dataclasses import replace
@@ -139,7 +140,23 @@ def apply_to_bundles(vllm_config, nodes: list[NodeFacts], bundles: list[tuple[in
     logger.info("vllm-dualgpu plan on Ray: ranks %s, layers %s, bundles %s, predicted KV pool %s blocks, "
                 "max context %s tokens", describe(order), "/".join(map(str, result.partition)),
                 os.environ[BUNDLE_ENV], f"{result.num_blocks:,}", f"{result.max_context_tokens:,}")
+    _record_nodes(result, ranked, nodes, indices)
     return planning.AppliedPlan(result, ranked)
+
+
+def _record_nodes(result, ranked: list[VisibleGpu], nodes: list[NodeFacts], indices: list[int]) -> None:
+    """``VLLM_DUALGPU_PLAN_FILE``: the plan as on one host, plus every node's recorded facts and
+    the bundles, so the GPU run can be replayed (``NodeFacts.from_dict``)."""
+    path = os.environ.get(envs.PLAN_FILE)
+    if not path:
+        return
+    planning._write_plan_file(result, ranked)
+    with open(path) as f:
+        data = json.load(f)
+    data["ray_nodes"] = [n.to_dict() for n in nodes]
+    data["ray_bundle_indices"] = indices
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
 
 
 def plan_across_nodes(model, nodes: list[NodeFacts], request, reserve: int, utilization: float | None):

