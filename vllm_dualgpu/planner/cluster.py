@@ -84,9 +84,13 @@ class NodeFacts:
                    versions=dict(d.get("versions", {})), driver=d.get("driver"), error=d.get("error"))
 
 
-def ifname_usable(spec: str, interfaces: tuple[str, ...]) -> list[str]:
-    """The interfaces NCCL would consider under ``NCCL_SOCKET_IFNAME=spec`` (NCCL's syntax:
-    comma-separated prefixes, ``=`` for exact names, a leading ``^`` to exclude)."""
+def ifname_usable(spec: str, interfaces: tuple[str, ...], var: str = "NCCL_SOCKET_IFNAME") -> list[str]:
+    """The interfaces ``var=spec`` lets through. NCCL's syntax: comma-separated prefixes, ``=``
+    for exact names, a leading ``^`` to exclude; ``GLOO_SOCKET_IFNAME`` (torch's gloo) takes
+    comma-separated exact names."""
+    if var == "GLOO_SOCKET_IFNAME":
+        names = {p.strip() for p in spec.split(",") if p.strip()}
+        return [i for i in interfaces if i in names]
     s = spec.strip()
     exclude = s.startswith("^")
     s = s[1:] if exclude else s
@@ -147,7 +151,7 @@ def cluster_problems(nodes: list[NodeFacts], bundles: dict[str, int] | None, wor
     for n in used:
         for var in IFNAME_VARS:
             spec = n.env.get(var, driver_env.get(var))
-            if spec and not ifname_usable(spec, n.interfaces):
+            if spec and not ifname_usable(spec, n.interfaces, var):
                 source = "its own" if var in n.env else "the engine's, which vLLM passes on"
                 out.append(f"{n.label}: {var}={spec} ({source}) names no interface it has "
                            f"({', '.join(n.interfaces) or 'none'}); set {var} on that node to one of them")

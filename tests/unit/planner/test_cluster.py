@@ -143,6 +143,13 @@ def test_ifname_syntax_is_nccls(spec, usable):
     assert ifname_usable(spec, ("lo", "eno1", "docker0")) == usable
 
 
+def test_gloo_takes_exact_names_only(fleet):
+    assert ifname_usable("eno", ("lo", "eno1"), "GLOO_SOCKET_IFNAME") == []
+    assert ifname_usable("eno1,lo", ("lo", "eno1"), "GLOO_SOCKET_IFNAME") == ["lo", "eno1"]
+    problems = cluster_problems(fleet, None, 4, driver_env={"GLOO_SOCKET_IFNAME": "en"})
+    assert len(problems) == 2 and all("GLOO_SOCKET_IFNAME=en " in p for p in problems)
+
+
 @pytest.mark.parametrize("key", ["vllm", "torch", "nccl"])
 def test_release_mismatch_across_nodes(fleet, key):
     other = replace(fleet[1], versions={**fleet[1].versions, key: "9.9.9"})
