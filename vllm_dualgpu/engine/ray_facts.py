@@ -4,7 +4,7 @@
 through NVML (:func:`vllm_dualgpu.nvml.read_visible_gpus`, under the same
 ``CUDA_VISIBLE_DEVICES`` the node's vLLM workers see: Ray is told not to set it, as vLLM's Ray
 executor tells it for its workers), the node's Ray address, its network interfaces, its own
-``*_SOCKET_IFNAME`` settings and the vLLM/torch/NCCL releases installed there. It returns the
+``*_SOCKET_IFNAME`` and ``CUDA_DEVICE_ORDER`` settings and the vLLM/torch/NCCL releases installed there. It returns the
 recorded JSON form (:class:`vllm_dualgpu.planner.cluster.NodeFacts`), so a run can be replayed.
 """
 
@@ -14,7 +14,7 @@ import socket
 from importlib import metadata
 
 from vllm_dualgpu.log import logger
-from vllm_dualgpu.planner.cluster import IFNAME_VARS, NodeFacts
+from vllm_dualgpu.planner.cluster import NODE_ENV_VARS, NodeFacts
 
 #: Seconds to wait for every node's answer.
 FACTS_TIMEOUT_S = 60.0
@@ -50,7 +50,7 @@ def read_node_facts() -> dict:
         "hostname": socket.gethostname(),
         "gpus": gpus,
         "interfaces": [name for _, name in socket.if_nameindex()],
-        "env": {v: os.environ[v] for v in IFNAME_VARS if os.environ.get(v)},
+        "env": {v: os.environ[v] for v in NODE_ENV_VARS if os.environ.get(v)},
         "versions": {"vllm": _version("vllm"), "torch": _version("torch"), "nccl": _version(*NCCL_PACKAGES)},
         "driver": nvml.driver_version(),
         "error": None,

@@ -95,6 +95,9 @@ def apply_cluster_plan(vllm_config) -> planning.AppliedPlan:
     if os.environ.get(BUNDLE_ENV):
         raise ClusterRefused(f"vllm-dualgpu: {BUNDLE_ENV}={os.environ[BUNDLE_ENV]} is set, but the dualgpu-ray "
                              "executor places the ranks itself; unset it (or use --distributed-executor-backend ray)")
+    # As on one host (engine/planning.py): CUDA numbers the cards as NVML does. Ray workers get
+    # the engine's environment where their node sets no value of its own (refused otherwise).
+    os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     start_ray(pc)
     nodes = ray_facts.gather(ray_facts.gpu_nodes())
     refuse_if_any(cluster_problems(nodes, None, pc.world_size, pc.tensor_parallel_size, driver_env()))

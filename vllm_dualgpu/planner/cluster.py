@@ -18,6 +18,8 @@ What is refused, one line each (:func:`cluster_problems`), and why:
   bootstrap (and gloo, vLLM's CPU groups) then finds no socket interface on that node;
 - different vLLM, torch or NCCL versions across nodes: workers unpickle one config and NCCL's
   wire protocol is only promised between identical releases;
+- a node whose own ``CUDA_DEVICE_ORDER`` is not ``PCI_BUS_ID``: its workers keep it, and CUDA
+  would then number the cards unlike NVML, whose numbers the plan uses;
 - a tensor-parallel group that would span hosts (its all-reduce on every layer would cross the
   network).
 """
@@ -33,6 +35,8 @@ from vllm_dualgpu.planner.gpus import GIB, GpuFacts
 from vllm_dualgpu.planner.search import POOL_TOLERANCE
 
 IFNAME_VARS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+NODE_ENV_VARS = (*IFNAME_VARS, "CUDA_DEVICE_ORDER")
+"""What each node reports of its own environment (Ray workers keep a node's own values)."""
 VERSION_KEYS = ("vllm", "torch", "nccl")
 
 
@@ -51,7 +55,7 @@ class NodeFacts:
     """The node's visible cards; ``index`` is the NVML index (PCI bus order) on that node."""
     interfaces: tuple[str, ...] = ()
     env: dict = field(default_factory=dict)
-    """The node's own ``NCCL_SOCKET_IFNAME`` / ``GLOO_SOCKET_IFNAME`` (absent when unset)."""
+    """The node's own values of :data:`NODE_ENV_VARS` (absent when unset)."""
     versions: dict = field(default_factory=dict)
     """``vllm``, ``torch``, ``nccl`` package versions (None when not installed)."""
     driver: str | None = None
@@ -155,6 +159,11 @@ def cluster_problems(nodes: list[NodeFacts], bundles: dict[str, int] | None, wor
                 source = "its own" if var in n.env else "the engine's, which vLLM passes on"
                 out.append(f"{n.label}: {var}={spec} ({source}) names no interface it has "
                            f"({', '.join(n.interfaces) or 'none'}); set {var} on that node to one of them")
+    for n in used:
+        order = n.env.get("CUDA_DEVICE_ORDER")
+        if order not in (None, "PCI_BUS_ID"):
+            out.append(f"{n.label}: CUDA_DEVICE_ORDER={order} there numbers its cards unlike NVML, so a rank "
+                       "could open another card than planned; unset it (or set PCI_BUS_ID) before `ray start`")
     for key in VERSION_KEYS:
         seen: dict[str, list[str]] = {}
         for n in used:

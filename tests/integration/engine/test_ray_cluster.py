@@ -121,6 +121,7 @@ def test_unreachable_facts_refuse_before_any_placement_group(cluster, config):
     assert cluster.ids["box3"][:8] in first and "Driver Not Loaded" in first
     assert config.parallel_config.placement_group is None
     assert ray_planning.BUNDLE_ENV not in os.environ
+    assert os.environ["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"  # set for the workers, as on one host
 
 
 def test_bundle_indices_of_the_user_are_refused(cluster, config, monkeypatch):

@@ -150,6 +150,14 @@ def test_gloo_takes_exact_names_only(fleet):
     assert len(problems) == 2 and all("GLOO_SOCKET_IFNAME=en " in p for p in problems)
 
 
+def test_a_node_numbering_its_cards_unlike_nvml(fleet):
+    fast = replace(fleet[1], env={"CUDA_DEVICE_ORDER": "FASTEST_FIRST"})
+    problems = cluster_problems([fleet[0], fast], None, 4)
+    assert len(problems) == 1 and "box2" in problems[0] and "CUDA_DEVICE_ORDER=FASTEST_FIRST" in problems[0]
+    pci = replace(fleet[1], env={"CUDA_DEVICE_ORDER": "PCI_BUS_ID"})
+    assert cluster_problems([fleet[0], pci], None, 4) == []
+
+
 @pytest.mark.parametrize("key", ["vllm", "torch", "nccl"])
 def test_release_mismatch_across_nodes(fleet, key):
     other = replace(fleet[1], versions={**fleet[1].versions, key: "9.9.9"})
