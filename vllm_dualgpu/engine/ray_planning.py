@@ -121,7 +121,7 @@ def apply_to_bundles(vllm_config, nodes: list[NodeFacts], bundles: list[tuple[in
                                      quantization=vllm_config.model_config.quantization)
     user_partition = settings["user_partition"]
     request = planning.plan_request(vllm_config, user_partition)
-    order, result = plan_across_nodes(model, [n for n in nodes if not n.error and held.get(n.node_id)],
+    order, _cards, _request, result = plan_across_nodes(model, [n for n in nodes if not n.error and held.get(n.node_id)],
                                       request, sizes[0], settings.get("gpu_memory_utilization"))
 
     # Bundles of one node are interchangeable (vLLM maps a node's workers to its GPUs by local
@@ -163,7 +163,7 @@ def _record_nodes(result, ranked: list[VisibleGpu], nodes: list[NodeFacts], indi
 
 
 def plan_across_nodes(model, nodes: list[NodeFacts], request, reserve: int, utilization: float | None):
-    """The rank order and plan: every order :func:`rank_orders` offers is planned with the order
+    """(rank order, the planner's cards and request for it, the plan): every order :func:`rank_orders` offers is planned with the order
     fixed, and the fleet planner's rule picks among those that fit (``plan --fleet`` shows the
     same choice); when none fits, the one reaching the longest context explains or warns
     (:func:`vllm_dualgpu.engine.planning.plan_or_explain`)."""
@@ -183,9 +183,9 @@ def plan_across_nodes(model, nodes: list[NodeFacts], request, reserve: int, util
     fitting = [t for t in tried if t[3].fits]
     if fitting:
         chosen = best_plan([t[3].plan for t in fitting])
-        return next((o, f.plan) for o, _, _, f in fitting if f.plan is chosen)
+        return next((o, c, r, f.plan) for o, c, r, f in fitting if f.plan is chosen)
     order, cards, req, _ = max(tried, key=lambda t: t[3].largest_max_model_len)
-    return order, planning.plan_or_explain(model, cards, req)
+    return order, cards, req, planning.plan_or_explain(model, cards, req)
 
 
 def node_gpu_order(plan: handoff.Handoff | None, rank: int) -> list[int] | None:
