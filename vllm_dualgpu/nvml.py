@@ -126,3 +126,18 @@ def to_gpu_facts(gpus: list[VisibleGpu], reserves: list[int] | None = None,
         ).with_known_defaults()
         for i, g in enumerate(gpus)
     ]
+
+
+def driver_version() -> str | None:
+    """The NVIDIA driver's version string, or None when NVML cannot say."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            v = pynvml.nvmlSystemGetDriverVersion()
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return None
+    return v.decode() if isinstance(v, bytes) else str(v)

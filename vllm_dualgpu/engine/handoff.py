@@ -38,6 +38,8 @@ class RankRecord:
     stage: int | None = None
     """Its pipeline rank (None: ``rank``, a pipeline without TP)."""
     tp_rank: int = 0
+    node_id: str | None = None
+    """The Ray node of this rank (the dualgpu-ray executor); None on one host."""
 
 
 @dataclass(frozen=True)

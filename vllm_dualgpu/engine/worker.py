@@ -103,6 +103,9 @@ class DualGpuWorker(Worker):
         # vLLM refuses to boot when free < utilization x total. The real budget is set right
         # after the snapshot below, so pass that check with the smallest legal share first.
         self.cache_config.gpu_memory_utilization = 1e-6
+        from vllm_dualgpu.engine.ray_planning import prepare_worker
+
+        prepare_worker(self)  # dualgpu-ray: this node's GPUs in planned order (else nothing)
         super().init_device()
         # Patches whose vLLM module starts CUDA when imported, now that this rank's GPU is set.
         plugin.ensure_for_dualgpu(frozenset({DEVICE}))

@@ -1,4 +1,5 @@
-"""Patches of ``vllm.engine.arg_utils``: select the executor by the bare name ``dualgpu``.
+"""Patches of ``vllm.engine.arg_utils``: select the executor by the bare name ``dualgpu``
+(one host, vLLM's multiprocess executor) or ``dualgpu-ray`` (across machines, vLLM's Ray executor).
 
 Stock vLLM 0.30 refuses ``--distributed-executor-backend dualgpu`` twice: with PP > 1,
 ``EngineArgs._check_feature_supported`` rejects every string but a few built-in names, and
@@ -16,6 +17,8 @@ from collections.abc import Callable
 
 BACKEND_NAME = "dualgpu"
 EXECUTOR_QUALNAME = "vllm_dualgpu.engine.executor.DualGpuExecutor"
+RAY_BACKEND_NAME = "dualgpu-ray"
+OUR_EXECUTORS = ("DualGpuExecutor", "DualGpuRayExecutor")
 # The bare names vLLM 0.30's Executor.get_class understands itself.
 STOCK_BACKENDS = ("mp", "ray", "uni", "external_launcher")
 
@@ -32,16 +35,20 @@ def resolve_backend(value: object) -> object:
         from vllm_dualgpu.engine.executor import DualGpuExecutor
 
         return DualGpuExecutor
+    if value == RAY_BACKEND_NAME:
+        from vllm_dualgpu.engine.ray_executor import DualGpuRayExecutor
+
+        return DualGpuRayExecutor
     if value in STOCK_BACKENDS or "." in value:
         return value
-    known = (*STOCK_BACKENDS, BACKEND_NAME)
+    known = (*STOCK_BACKENDS, BACKEND_NAME, RAY_BACKEND_NAME)
     close = difflib.get_close_matches(value, known, n=1)
     hint = f" Did you mean '{close[0]}'?" if close else ""
     from vllm_dualgpu.engine.preflight import PreflightError
 
     raise PreflightError(
         f"Unknown --distributed-executor-backend '{value}'.{hint} Choose one of "
-        f"{', '.join(known)} ('{BACKEND_NAME}' comes from vllm-dualgpu), or give a "
+        f"{', '.join(known)} ('{BACKEND_NAME}' and '{RAY_BACKEND_NAME}' come from vllm-dualgpu), or give a "
         "module.Class path of an Executor subclass."
     )
 
@@ -69,13 +76,16 @@ def wrap_create_engine_config(original: Callable) -> Callable:
         except preflight.PreflightError as e:
             preflight.refuse(e)
             raise
-        ours = getattr(self.distributed_executor_backend, "__name__", "") == "DualGpuExecutor"
+        name = getattr(self.distributed_executor_backend, "__name__", "")
+        ours = name in OUR_EXECUTORS
         if ours:
             remember_explicit_utilization(self)
         config = original(self, usage_context, headless)
         if ours:
             try:
-                preflight.check(config, preflight.nvml_gpu_count())
+                # On Ray the cards are the cluster's: the executor counts them on every node.
+                local = preflight.nvml_gpu_count() if name == "DualGpuExecutor" else None
+                preflight.check(config, local)
                 if usage_context is not None:  # an engine starts (vllm serve, LLM(...))
                     preflight.check_platform(config.parallel_config)
             except ValueError as e:  # PreflightError, or a VLLM_DUALGPU_* / partition value
@@ -89,7 +99,7 @@ def wrap_create_engine_config(original: Callable) -> Callable:
 HELP_NOTE = (
     " With vllm-dualgpu installed: 'dualgpu' runs pipeline parallelism over mismatched NVIDIA "
     "GPUs, choosing the GPU order, layer split and KV pool (plan it first with "
-    "'vllm-dualgpu plan')."
+    "'vllm-dualgpu plan'); 'dualgpu-ray' does the same across machines on vLLM's Ray backend."
 )
 
 
@@ -111,14 +121,15 @@ def wrap_create_engine_config_unsupported(original: Callable) -> Callable:
     @functools.wraps(original)
     def create_engine_config(self, usage_context=None, headless=False):
         backend = self.distributed_executor_backend
-        if backend == BACKEND_NAME or getattr(backend, "__name__", "") == "DualGpuExecutor":
+        if backend in (BACKEND_NAME, RAY_BACKEND_NAME) or getattr(backend, "__name__", "") in OUR_EXECUTORS:
             from vllm_dualgpu.support import unsupported_reason
 
             reason = unsupported_reason()
             if reason:
                 from vllm_dualgpu.engine import preflight
 
-                error = preflight.PreflightError(f"--distributed-executor-backend {BACKEND_NAME}: {reason}")
+                shown = backend if isinstance(backend, str) else BACKEND_NAME
+                error = preflight.PreflightError(f"--distributed-executor-backend {shown}: {reason}")
                 preflight.refuse(error)
                 raise error
         return original(self, usage_context, headless)

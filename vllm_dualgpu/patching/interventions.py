@@ -326,6 +326,75 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         source_names=("assigned_physical_gpu_ids", "set_assigned_physical_gpu_ids"),
         issue="#2",
     ),
+    # --- dualgpu-ray (docs/multi-node.md) ---
+    Intervention(
+        name="ray-bundle-indices",
+        kind=ENVIRONMENT,
+        target="VLLM_RAY_BUNDLE_INDICES",
+        processes=(ENGINE,),
+        vllm_versions=CHECKED,
+        why=(
+            "The dualgpu-ray executor gives each rank a placement-group bundle on its planned "
+            "node; RayExecutorV2 reads the list instead of sorting bundles driver node first, and "
+            "gives every worker of a node that node's GPU ids sorted with its place among them."
+        ),
+        upstream=_NO_HOOK,
+        remove_when="vLLM takes a rank-to-node order in its config",
+        checks="vllm.v1.executor.ray_executor_v2:RayExecutorV2._init_executor",
+        source_names=("VLLM_RAY_BUNDLE_INDICES", "get_bundles_for_indices", "node_workers[node_id].index(i)",
+                      "sorted(node_physical_gpu_ids[node_id])"),
+        issue="#20",
+    ),
+    Intervention(
+        name="ray-placement-group-reused",
+        kind=PRIVATE_API,
+        target="vllm.v1.executor.ray_utils:initialize_ray_cluster",
+        processes=(ENGINE,),
+        vllm_versions=CHECKED,
+        why=(
+            "The dualgpu-ray executor gathers the nodes' facts, then creates vLLM's own placement "
+            "group through this function before RayExecutorV2 runs; called again there, it reuses "
+            "the group it finds in the config."
+        ),
+        upstream=_NO_HOOK,
+        remove_when="vLLM lets an executor plan between connecting to Ray and placing workers",
+        source_names=("parallel_config.placement_group",),
+        issue="#20",
+    ),
+    Intervention(
+        name="ray-node-gpu-order",
+        kind=CONFIG,
+        target="vllm.config.parallel:ParallelConfig.assigned_physical_gpu_ids",
+        processes=(WORKER,),
+        vllm_versions=CHECKED,
+        why=(
+            "In a dualgpu-ray worker, the node's GPU ids in planned rank order replace the sorted "
+            "list RayExecutorV2 passed (same ids), before vLLM's worker installs it and takes the "
+            "entry of its local rank."
+        ),
+        upstream=_NO_HOOK,
+        remove_when="never (this is vLLM's own field; the check pins where vLLM reads it)",
+        checks=f"{_WORKER}.init_device",
+        source_names=("assigned_physical_gpu_ids", "set_assigned_physical_gpu_ids"),
+        issue="#20",
+    ),
+    Intervention(
+        name="ray-worker-backend-name",
+        kind=CONFIG,
+        target="vllm.config.parallel:ParallelConfig.distributed_executor_backend",
+        processes=(WORKER,),
+        vllm_versions=CHECKED,
+        why=(
+            "A dualgpu-ray worker names its backend 'ray' in its own copy of the config: vLLM's "
+            "worker tests that name, not uses_ray, to skip its one-host check local_world_size <= "
+            "len(assigned_physical_gpu_ids), which a layout across nodes fails."
+        ),
+        upstream="none (vLLM tests the backend's name where uses_ray would cover executor subclasses)",
+        remove_when="vLLM's worker asks parallel_config.use_ray there",
+        checks=f"{_WORKER}.init_device",
+        source_names=('"ray"', "local_world_size"),
+        issue="#20",
+    ),
     Intervention(
         name="flashinfer-autotune-off",
         kind=CONFIG,

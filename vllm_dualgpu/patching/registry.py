@@ -30,10 +30,11 @@ PATCHES: tuple[Patch, ...] = (
         processes=(FRONTEND,),
         vllm_versions=V030_033,
         why=(
-            "Turns --distributed-executor-backend dualgpu into the DualGpuExecutor class before "
-            "vLLM validates it: EngineArgs._check_feature_supported rejects any other string "
-            "with PP > 1 and Executor.get_class cannot resolve a bare name. Misspelled bare "
-            "names get an error that lists the valid ones."
+            "Turns --distributed-executor-backend dualgpu into the DualGpuExecutor class (and "
+            "dualgpu-ray into DualGpuRayExecutor, vLLM's Ray executor planned across machines) "
+            "before vLLM validates it: EngineArgs._check_feature_supported rejects any other "
+            "string with PP > 1 and Executor.get_class cannot resolve a bare name. Misspelled "
+            "bare names get an error that lists the valid ones."
         ),
         upstream="none (vLLM has no registry of executor names for plugins)",
         remove_when="vLLM lets plugins register executor backends by name",

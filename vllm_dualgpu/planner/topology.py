@@ -21,10 +21,11 @@ import itertools
 import re
 from dataclasses import dataclass, field, replace
 
+from vllm_dualgpu.planner.cluster import best_plan
 from vllm_dualgpu.planner.errors import BadRequest, ModelDoesNotFit, PlanError
 from vllm_dualgpu.planner.gpus import GpuFacts, parse_gpus
 from vllm_dualgpu.planner.model import ModelSpec
-from vllm_dualgpu.planner.search import POOL_TOLERANCE, Fit, Plan, PlanRequest, fit, plan
+from vllm_dualgpu.planner.search import Fit, Plan, PlanRequest, fit, plan
 from vllm_dualgpu.planner.topology_shard import shard_config, tp_extra_reserve
 from vllm_dualgpu.planner.topology_speed import LinkModel, StageSpeed, step_ms, throughput
 
@@ -316,9 +317,13 @@ class ReplicaPlan:
     def serve_today(self) -> tuple[bool, str]:
         """(runs with this package or stock vLLM today, how)."""
         hosts = self.layout.hosts
+        if len(hosts) > 1 and self.tp == 1:
+            return False, (f"stages across hosts: vllm serve MODEL --pipeline-parallel-size {self.pp} "
+                           "--distributed-executor-backend dualgpu-ray on a Ray cluster (docs/multi-node.md; "
+                           "CPU-tested, not yet run on GPUs)")
         if len(hosts) > 1:
-            return False, ("stages across hosts: not yet with the dualgpu executor (planned: vLLM's Ray "
-                           "backend); stock vLLM on Ray runs it with an even split")
+            return False, ("TP groups as stages across hosts: not yet with the dualgpu-ray executor (it plans "
+                           "TP 1); stock vLLM on Ray runs it with an even split")
         if self.pp == 1:
             tp = f" --tensor-parallel-size {self.tp}" if self.tp > 1 else ""
             return True, f"stock vLLM: vllm serve MODEL{tp}"
@@ -542,9 +547,7 @@ def plan_replica(
         hs = [layout.stages[i][0].host for i in p.order]
         return [a != b for a, b in zip(hs, hs[1:])]
 
-    best = max(p.num_blocks for p in plans)
-    near = [p for p in plans if p.num_blocks >= best * POOL_TOLERANCE]
-    chosen = min(near, key=lambda p: (sum(hops_of(p)), p.predicted_decode_ms or 0.0))
+    chosen = best_plan(plans, lambda p: sum(hops_of(p)))
     rp.plan = chosen
     rp.fits = True
     rp.stage_of_rank = [layout.stages[i] for i in chosen.order]
