@@ -240,7 +240,7 @@ def plan_or_explain(model, facts, request, kv_layout=None):
     return f.plan
 
 
-def _write_plan_file(result, ranked: list[VisibleGpu], positions: list[int]) -> None:
+def _write_plan_file(result, ranked: list[VisibleGpu], positions: list[int] | None = None) -> None:
     """``VLLM_DUALGPU_PLAN_FILE=path``: keep the applied plan as JSON (for tools and tests)."""
     path = os.environ.get(envs.PLAN_FILE)
     if not path:
@@ -249,8 +249,9 @@ def _write_plan_file(result, ranked: list[VisibleGpu], positions: list[int]) -> 
     data = json.loads(data) if isinstance(data, str) else dict(data)
     data["physical_gpu_ids"] = [g.physical_id for g in ranked]
     # every rank's card (its position among the visible GPUs): with TP stages the plan's own
-    # order names only each stage's first card
-    data["cuda_visible_devices"] = ",".join(map(str, positions))
+    # order names only each stage's first card (across Ray nodes the plan's order stands)
+    if positions is not None:
+        data["cuda_visible_devices"] = ",".join(map(str, positions))
     data["partition"] = list(result.partition)
     with open(path, "w") as f:
         json.dump(data, f, indent=1)
