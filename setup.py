@@ -53,6 +53,8 @@ setup(
         "test": ["pytest>=8", "pytest-timeout>=2"],
         # benchmarks/: tables and plots of the GPU measurements
         "benchmark": ["matplotlib>=3.7"],
+        # --distributed-executor-backend dualgpu-ray (docs/multi-node.md); tested with 2.60.0
+        "ray": ["ray>=2.60"],
     },
     entry_points={
         "vllm.general_plugins": ["dualgpu = vllm_dualgpu:register"],

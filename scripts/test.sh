@@ -84,8 +84,10 @@ make_venv() {
         # which imports fine without a GPU.
         "$venv/bin/pip" install -q "torch==$torch" >&2 || return 1
         echo "torch $torch: $(( $(date +%s) - t0 )) s" >&2
-        # The test extra (pytest, pytest-timeout) and capstone (the sm hook coverage analysis).
-        "$venv/bin/pip" install -q "vllm==$version" "pytest>=8" "pytest-timeout>=2" "capstone>=5" >&2 || return 1
+        # The test extra (pytest, pytest-timeout), capstone (the sm hook coverage analysis) and
+        # Ray (dualgpu-ray's tests run a local Ray cluster).
+        "$venv/bin/pip" install -q "vllm==$version" "pytest>=8" "pytest-timeout>=2" "capstone>=5" \
+            "ray==2.60.0" >&2 || return 1
         echo "vLLM $version: $(( $(date +%s) - t0 )) s, $(du -sh "$venv" | cut -f1) in the venv, $(free_gb) GB left free" >&2
     fi
     "$venv/bin/pip" install -q --no-deps --force-reinstall "$wheel" >&2 || return 1

@@ -36,6 +36,16 @@ def resolve_backend(value: object) -> object:
 
         return DualGpuExecutor
     if value == RAY_BACKEND_NAME:
+        import importlib.util
+
+        if importlib.util.find_spec("ray") is None:
+            from vllm_dualgpu.engine.preflight import PreflightError
+
+            raise PreflightError(
+                f"--distributed-executor-backend {RAY_BACKEND_NAME} runs on Ray, which is not "
+                "installed: pip install 'vllm-dualgpu[ray]' on every machine of the cluster "
+                "(docs/multi-node.md)."
+            )
         from vllm_dualgpu.engine.ray_executor import DualGpuRayExecutor
 
         return DualGpuRayExecutor

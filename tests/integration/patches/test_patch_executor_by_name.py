@@ -117,3 +117,10 @@ def test_front_end_does_not_count_the_local_gpus_for_ray(engine_args_cls, tiny_m
 def test_misspelled_ray_name_is_a_clear_error(engine_args_cls, tiny_model_dir):
     with pytest.raises(ValueError, match=r"Unknown --distributed-executor-backend 'dualgpu-rya'.*Did you mean 'dualgpu-ray'"):
         make_config(engine_args_cls, tiny_model_dir, "dualgpu-rya")
+
+
+def test_dualgpu_ray_without_ray_says_what_to_install(engine_args_cls, tiny_model_dir, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
+    with pytest.raises(ValueError, match=r"dualgpu-ray runs on Ray, which is not installed: pip install 'vllm-dualgpu\[ray\]'"):
+        make_config(engine_args_cls, tiny_model_dir, "dualgpu-ray")
