@@ -6,12 +6,10 @@ effects: EngineCore unpickles the config (which names this class) before plugins
 
 from __future__ import annotations
 
-import os
-
 from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
+from vllm_dualgpu.engine.planned_executor import PlannedExecutor
 from vllm_dualgpu.log import logger
-from vllm_dualgpu.process import ACTIVE_ENV
 
 
 def planning_applies(parallel_config) -> str | None:
@@ -49,45 +47,15 @@ def dead_rank_lines(workers, gpus=None, tp_size: int = 1) -> list[str]:
     return lines
 
 
-class DualGpuExecutor(MultiprocExecutor):
+class DualGpuExecutor(PlannedExecutor, MultiprocExecutor):
     """Multiprocess executor that applies a dualgpu plan before spawning its workers."""
 
     supports_pp: bool = True
 
     def _init_executor(self) -> None:
-        from vllm_dualgpu import plugin
-        from vllm_dualgpu.process import ENGINE
+        from vllm_dualgpu.engine.planning import apply_plan
 
-        # With LLM(...) vLLM forks EngineCore, which then skips general plugins: apply the
-        # engine-side patches here (a no-op where register() already did).
-        plugin.ensure(frozenset({ENGINE}))
-        self.dualgpu = None
-        why_not = planning_applies(self.parallel_config)
-        if why_not is not None:
-            os.environ.pop(ACTIVE_ENV, None)
-            logger.info("vllm-dualgpu: %s, running as vLLM's multiprocess executor", why_not)
-        else:
-            from vllm_dualgpu.engine import preflight
-            from vllm_dualgpu.engine.planning import apply_plan
-
-            # The front end refuses this already when an engine starts; a config built on its
-            # own (no usage context) reaches the executor unchecked.
-            preflight.check_platform(self.parallel_config)
-            from vllm_dualgpu.kernels.flashinfer import apply_flashinfer_autotune_policy
-
-            # A dualgpu run does not start half-patched (required patches, interventions).
-            plugin.ensure_for_dualgpu(frozenset({ENGINE}))
-            try:
-                self.dualgpu = apply_plan(self.vllm_config)
-            except (ValueError, RuntimeError) as e:  # the plan's refusals (what fits, what to do)
-                # One ERROR line first: vLLM's "EngineCore failed to start" traceback follows.
-                logger.error("%s", e)
-                raise
-            apply_flashinfer_autotune_policy(
-                self.vllm_config.kernel_config, [g.capability for g in self.dualgpu.gpus]
-            )
-            # Workers inherit the environment; worker-side patches act only where it is set.
-            os.environ[ACTIVE_ENV] = "1"
+        self.start_planned(planning_applies, apply_plan, "vLLM's multiprocess executor")
         super()._init_executor()
 
     def register_failure_callback(self, callback) -> None:
@@ -100,11 +68,3 @@ class DualGpuExecutor(MultiprocExecutor):
             callback()
 
         super().register_failure_callback(name_dead_ranks_then_fail)
-
-    def determine_available_memory(self) -> list[int]:
-        available = super().determine_available_memory()
-        if self.dualgpu is not None:
-            from vllm_dualgpu.engine.context_fit import check_context_fits
-
-            check_context_fits(self.vllm_config, self.get_kv_cache_specs(), available, self.dualgpu)
-        return available

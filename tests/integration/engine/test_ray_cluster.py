@@ -223,20 +223,21 @@ def test_executor_logs_the_refusal_first_and_spawns_nothing(cluster, config, mon
     from vllm.platforms import current_platform
 
     from vllm_dualgpu.engine import ray_executor as rx
+    from vllm_dualgpu.log import logger
 
     monkeypatch.setattr(type(current_platform), "is_cuda", lambda self=None: True)
     # (RayExecutorV2._init_executor is left as vLLM ships it: the run's start checks its source)
     records = []
     handler = logging.Handler(logging.ERROR)
     handler.emit = records.append
-    rx.logger.addHandler(handler)
+    logger.addHandler(handler)
     e = object.__new__(rx.DualGpuRayExecutor)
     e.vllm_config, e.parallel_config = config, config.parallel_config
     try:
         with pytest.raises(ClusterRefused):
             e._init_executor()
     finally:
-        rx.logger.removeHandler(handler)
+        logger.removeHandler(handler)
     assert len(records) == 1 and records[0].levelname == "ERROR"
     assert "Driver Not Loaded" in records[0].getMessage().splitlines()[0]
     assert config.parallel_config.placement_group is None  # refused before anything was placed
