@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_plan_matches_executor import DENSE  # the same dense model as the TP-1 test
 
 from vllm_dualgpu.cli import main
 from vllm_dualgpu.engine import handoff
@@ -17,13 +18,6 @@ from vllm_dualgpu.planner import parse_gpus
 # Two kinds interleaved in PCI order: the stages are the 4070 Ti SUPERs (1, 3) and the 5090s (0, 2).
 GPUS = ("RTX 5090:32GiB:30GiB,RTX 4070 Ti SUPER:16GiB:15GiB,"
         "RTX 5090:32GiB:30GiB,RTX 4070 Ti SUPER:16GiB:15GiB")
-DENSE = {
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 2560,
-    "intermediate_size": 9728, "num_hidden_layers": 36, "num_attention_heads": 32,
-    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
-    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000,
-    "torch_dtype": "bfloat16", "tie_word_embeddings": False,
-}
 SERVE = {"max_model_len": 32768, "max_num_seqs": 8, "max_num_batched_tokens": 4096,
          "kv_cache_dtype": "fp8", "mamba_ssm_cache_dtype": "float32"}  # CPU platform: see the TP-1 test
 EAGLE3_DRAFT = {

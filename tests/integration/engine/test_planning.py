@@ -6,6 +6,7 @@ import json
 import logging
 
 import pytest
+from plan_exports import restore_environ  # noqa: F401  (autouse: the plan's exports undone)
 
 from vllm_dualgpu import envs
 from vllm_dualgpu.engine import handoff
@@ -61,20 +62,6 @@ def make_config(tmp_path_factory):
     return make
 
 
-@pytest.fixture(autouse=True)
-def restore_environ():
-    """apply_plan exports variables for the workers it is about to spawn; undo that."""
-    import os
-
-    from vllm_dualgpu.engine import partition
-
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
-    partition._exported = None
-
-
 @pytest.fixture
 def big_first_pair(monkeypatch):
     """GPU 0 with 32 GiB free, GPU 1 with 16 GiB free: the big card comes first in PCI order."""
@@ -127,7 +114,6 @@ def test_user_partition_wins_and_is_logged(make_config, big_first_pair, monkeypa
 
 
 def test_per_gpu_reserve_follows_the_gpu_not_the_rank(make_config, big_first_pair, monkeypatch):
-    import os
 
     monkeypatch.setenv(envs.RESERVE, "1GiB,0")  # 1 GiB kept free on GPU 0 (the big one, last rank)
     cfg = make_config()
@@ -136,7 +122,6 @@ def test_per_gpu_reserve_follows_the_gpu_not_the_rank(make_config, big_first_pai
 
 
 def test_explicit_utilization_caps_each_rank(make_config, big_first_pair):
-    import os
 
     cfg = make_config(gpu_memory_utilization=0.1)
     applied = apply.apply_plan(cfg)
@@ -165,7 +150,6 @@ def test_plan_file(make_config, big_first_pair, monkeypatch, tmp_path):
 
 
 def test_each_rank_gets_its_prediction(make_config, big_first_pair):
-    import os
 
     from vllm_dualgpu.engine.worker import profiled_vs_predicted
 

@@ -18,11 +18,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from plan_exports import restore_environ  # noqa: F401  (autouse: the plan's exports undone)
 
 ray = pytest.importorskip("ray", reason="the dualgpu-ray tests need ray (pip install ray)")
 
 from vllm_dualgpu import envs  # noqa: E402
-from vllm_dualgpu.engine import handoff, partition, ray_facts, ray_planning  # noqa: E402
+from vllm_dualgpu.engine import handoff, ray_facts, ray_planning  # noqa: E402
 from vllm_dualgpu.planner.cluster import ClusterRefused  # noqa: E402
 
 FIXTURES = Path(__file__).parents[2] / "fixtures"
@@ -82,15 +83,6 @@ def config(tmp_path):
                      max_model_len=16384).create_engine_config()
     cfg.parallel_config.worker_cls = ray_planning.planning.STOCK_WORKER
     return cfg
-
-
-@pytest.fixture(autouse=True)
-def restore_environ():
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
-    partition._exported = None
 
 
 def test_each_node_reports_its_own_cards_through_the_ray_task(cluster, facts):
