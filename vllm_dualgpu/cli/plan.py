@@ -386,14 +386,13 @@ def _tp_ranks(stages, p) -> list[dict]:
             for i, (st, t, g) in enumerate(stages.rank_cards(p.order))]
 
 
-def _tp_lines(stages, p) -> str:
-    ranks = _tp_ranks(stages, p)
+def _tp_lines(stages, ranks: list[dict]) -> str:
     lines = [f"TP {stages.tp} groups as pipeline stages (the columns above are one TP rank of each "
              f"stage: weights and KV split 1/{stages.tp}, embedding and head vocabulary-parallel, "
              f"norms whole; each rank also keeps {stages.extra_reserve_bytes / 1024**3:.2f} GiB for "
              "the full-vocabulary sampler and the TP group's NCCL buffers; the GPU order above names "
              "each stage by its first card):"]
-    for st in range(len(p.order)):
+    for st in range(len(stages.stages)):
         cards = [r for r in ranks if r["stage"] == st]
         lines.append(f"  stage {st}: " + " + ".join(f"rank {r['rank']} GPU {r['gpu']} {r['name']}" for r in cards))
     return "\n".join(lines)
@@ -456,11 +455,11 @@ def run(args) -> int:
         except P.PlanError:
             stock = None
     command = _serve_command(model_arg, p, args)
+    ranks = _tp_ranks(stages, p) if stages is not None else None
     if args.json:
         out = {"source": source, "plan": p.to_dict(), "stock": stock.to_dict() if stock else None,
                "command": command, "notes": notes}
-        if stages is not None:
-            ranks = _tp_ranks(stages, p)
+        if ranks is not None:
             out["tp"] = {"size": stages.tp, "ranks": ranks}
             out["plan"]["cuda_visible_devices"] = ",".join(str(r["gpu"]) for r in ranks)  # every card, rank order
         print(json.dumps(out, indent=2))
@@ -470,15 +469,15 @@ def run(args) -> int:
     for n in notes:
         print(f"Note: {n}")
     print(p.table(), end="")
-    if stages is not None:
-        print(_tp_lines(stages, p))
+    if ranks is not None:
+        print(_tp_lines(stages, ranks))
     if stock is not None:
         print(_stock_line(stock, "/".join(map(str, stock.partition))))
     if not p.passthrough:
         print()
         print("Serve it with the dualgpu executor, which applies this GPU order, split and memory plan:")
         print(f"  {command}")
-        visible = p.cuda_visible_devices() if stages is None else ",".join(str(r["gpu"]) for r in _tp_ranks(stages, p))
+        visible = p.cuda_visible_devices() if ranks is None else ",".join(str(r["gpu"]) for r in ranks)
         print(f"(by hand: CUDA_VISIBLE_DEVICES={visible} VLLM_PP_LAYER_PARTITION={p.partition_env()})")
     else:
         print()

@@ -207,9 +207,11 @@ def reprice(vllm_config, plan, search: Callable) -> tuple[object, VllmPool | Non
     mirror = plan.kv
     tried: list[tuple[int, ...]] = []
     with _quiet(), _layout_resolved(vllm_config):
+        specs = None
         for round_ in range(MAX_ROUNDS):
             try:
-                specs = layer_specs(vllm_config, mirror)
+                if specs is None:  # the layers stay; only the split moves between rounds
+                    specs = layer_specs(vllm_config, mirror)
                 ranks = rank_specs(specs, mirror, plan.partition)
                 budgets = [r.kv_budget_bytes for r in plan.ranks]
                 groups = groups_for_ranks(vllm_config, ranks, budgets)

@@ -146,16 +146,8 @@ def apply_plan(vllm_config) -> AppliedPlan:
     placed = stages.rank_cards(result.order)
     ranked = [used[card.index] for _, _, card in placed]  # facts are indexed by position in used
     pc.assigned_physical_gpu_ids = [g.physical_id for g in ranked]
-    record = _handoff(result, ranked, user_partition, stages)
-    partition.export(record.partition if record.partition_source == "plan" else None)
-    handoff.store(vllm_config, record)
-    if pc.worker_cls == STOCK_WORKER:
-        pc.worker_cls = OUR_WORKER
-    else:
-        logger.warning(
-            "worker_cls=%s is not vLLM's GPU worker: per-rank memory budgets and summary lines "
-            "are off; the GPU order and layer split still apply", pc.worker_cls,
-        )
+    hand_over(vllm_config, _handoff(result, ranked, user_partition, stages),
+              off="per-rank memory budgets and summary lines", kept="the GPU order and layer split")
     for line in _overrides(vllm_config, user_partition):
         logger.info(line)
     logger.info(
@@ -168,6 +160,20 @@ def apply_plan(vllm_config) -> AppliedPlan:
     )
     _write_plan_file(result, ranked, [card.index for _, _, card in placed])
     return AppliedPlan(result, ranked, tp)
+
+
+def hand_over(vllm_config, record: handoff.Handoff, off: str, kept: str) -> None:
+    """Give the workers the plan: the split for vLLM (unless the user's or vLLM's own), the
+    per-rank record, and the worker class that reads it. ``off``/``kept``: what a user's own
+    worker class loses and what still applies, for its WARNING."""
+    pc = vllm_config.parallel_config
+    partition.export(record.partition if record.partition_source == "plan" else None)
+    handoff.store(vllm_config, record)
+    if pc.worker_cls == STOCK_WORKER:
+        pc.worker_cls = OUR_WORKER
+    else:
+        logger.warning("worker_cls=%s is not vLLM's GPU worker: %s are off; %s still apply",
+                       pc.worker_cls, off, kept)
 
 
 def _gpu_text(g: VisibleGpu) -> str:
@@ -240,8 +246,10 @@ def plan_or_explain(model, facts, request, kv_layout=None):
     return f.plan
 
 
-def _write_plan_file(result, ranked: list[VisibleGpu], positions: list[int] | None = None) -> None:
-    """``VLLM_DUALGPU_PLAN_FILE=path``: keep the applied plan as JSON (for tools and tests)."""
+def _write_plan_file(result, ranked: list[VisibleGpu], positions: list[int] | None = None,
+                     extra: dict | None = None) -> None:
+    """``VLLM_DUALGPU_PLAN_FILE=path``: keep the applied plan as JSON (for tools and tests);
+    ``extra``: more top-level keys (dualgpu-ray: the nodes' facts and the bundles)."""
     path = os.environ.get(envs.PLAN_FILE)
     if not path:
         return
@@ -253,6 +261,7 @@ def _write_plan_file(result, ranked: list[VisibleGpu], positions: list[int] | No
     if positions is not None:
         data["cuda_visible_devices"] = ",".join(map(str, positions))
     data["partition"] = list(result.partition)
+    data.update(extra or {})
     with open(path, "w") as f:
         json.dump(data, f, indent=1)
 

@@ -20,13 +20,12 @@ a node's cards together) with the order fixed, keeps the fleet planner's choice
 from __future__ import annotations
 
 import inspect
-import json
 import os
 from collections import Counter
 from dataclasses import replace
 
 from vllm_dualgpu import envs
-from vllm_dualgpu.engine import handoff, kv_pricing, partition, planning
+from vllm_dualgpu.engine import handoff, kv_pricing, planning
 from vllm_dualgpu.log import logger
 from vllm_dualgpu.nvml import VisibleGpu
 from vllm_dualgpu.planner.cluster import (
@@ -137,13 +136,8 @@ def apply_to_bundles(vllm_config, nodes: list[NodeFacts], bundles: list[tuple[in
                          g.bandwidth_gbps, "", g.nvlink) for _, g in order]
     record = planning._handoff(result, ranked, user_partition)
     record = replace(record, ranks=tuple(replace(r, node_id=n.node_id) for r, (n, _) in zip(record.ranks, order)))
-    partition.export(record.partition if record.partition_source == "plan" else None)
-    handoff.store(vllm_config, record)
-    if pc.worker_cls == planning.STOCK_WORKER:
-        pc.worker_cls = planning.OUR_WORKER
-    else:
-        logger.warning("worker_cls=%s is not vLLM's GPU worker: per-rank memory budgets and the planned GPU "
-                       "order inside each node are off; the rank order and layer split still apply", pc.worker_cls)
+    planning.hand_over(vllm_config, record, off="per-rank memory budgets and the planned GPU order inside each node",
+                       kept="the rank order and layer split")
     logger.info("vllm-dualgpu plan on Ray: ranks %s, layers %s, bundles %s, predicted KV pool %s blocks, "
                 "max context %s tokens", describe(order), "/".join(map(str, result.partition)),
                 os.environ[BUNDLE_ENV], f"{result.num_blocks:,}", f"{result.max_context_tokens:,}")
@@ -154,16 +148,8 @@ def apply_to_bundles(vllm_config, nodes: list[NodeFacts], bundles: list[tuple[in
 def _record_nodes(result, ranked: list[VisibleGpu], nodes: list[NodeFacts], indices: list[int]) -> None:
     """``VLLM_DUALGPU_PLAN_FILE``: the plan as on one host, plus every node's recorded facts and
     the bundles, so the GPU run can be replayed (``NodeFacts.from_dict``)."""
-    path = os.environ.get(envs.PLAN_FILE)
-    if not path:
-        return
-    planning._write_plan_file(result, ranked)
-    with open(path) as f:
-        data = json.load(f)
-    data["ray_nodes"] = [n.to_dict() for n in nodes]
-    data["ray_bundle_indices"] = indices
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1)
+    planning._write_plan_file(result, ranked, extra={"ray_nodes": [n.to_dict() for n in nodes],
+                                                     "ray_bundle_indices": indices})
 
 
 def plan_across_nodes(model, nodes: list[NodeFacts], request, reserve: int, utilization: float | None):
