@@ -114,7 +114,6 @@ def test_user_partition_wins_and_is_logged(make_config, big_first_pair, monkeypa
 
 
 def test_per_gpu_reserve_follows_the_gpu_not_the_rank(make_config, big_first_pair, monkeypatch):
-
     monkeypatch.setenv(envs.RESERVE, "1GiB,0")  # 1 GiB kept free on GPU 0 (the big one, last rank)
     cfg = make_config()
     apply.apply_plan(cfg)
@@ -122,7 +121,6 @@ def test_per_gpu_reserve_follows_the_gpu_not_the_rank(make_config, big_first_pai
 
 
 def test_explicit_utilization_caps_each_rank(make_config, big_first_pair):
-
     cfg = make_config(gpu_memory_utilization=0.1)
     applied = apply.apply_plan(cfg)
     cap = int(0.1 * H200_TOTAL)
@@ -150,7 +148,6 @@ def test_plan_file(make_config, big_first_pair, monkeypatch, tmp_path):
 
 
 def test_each_rank_gets_its_prediction(make_config, big_first_pair):
-
     from vllm_dualgpu.engine.worker import profiled_vs_predicted
 
     cfg = make_config()
