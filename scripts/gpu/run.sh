@@ -43,7 +43,10 @@ status=0
 for step in "${steps[@]}"; do
   echo "=== $step"
   case "$step" in
-    tests) DUALGPU_GPU_OUT="$OUTDIR/tests" python3 -m pytest -m gpu tests/gpu -v -rA \
+    # -P: the installed package (with its native extension), not this checkout's sources.
+    # TESTS_LIMIT: seconds, then SIGINT (pytest still writes its JUnit file).
+    tests) DUALGPU_GPU_OUT="$OUTDIR/tests" timeout -s INT -k 30 "${TESTS_LIMIT:-86400}" \
+             python3 -P -m pytest -m gpu tests/gpu -v -rA \
              --junitxml "$OUTDIR/gpu-junit.xml" "${pytest_args[@]}" > "$OUTDIR/gpu-tests.log" 2>&1
            rc=$?; tail -40 "$OUTDIR/gpu-tests.log" ;;
     memory) timeout -k 10 "${STEP_LIMIT:-580}" python3 benchmarks/memory_sweep.py "$OUTDIR/memory"; rc=$? ;;

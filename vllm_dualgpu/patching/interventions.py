@@ -104,6 +104,9 @@ def _check_target(item: Intervention) -> Finding:
         status, reason = getattr(importlib.import_module(module), fn)(item)
         return Finding(item, status, reason)
     target = item.check_target
+    if target.startswith("vllm.v1.executor.ray") and importlib.util.find_spec("ray") is None:
+        # vLLM's Ray executor modules do not import without Ray (a NameError on ObjectRef)
+        return Finding(item, NOT_HERE, "not applicable: Ray not installed")
     found = find_target(target)
     if isinstance(found, str):
         return Finding(item, MISSING, found)
