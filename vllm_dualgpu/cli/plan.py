@@ -306,6 +306,7 @@ def request_from_args(args, model, gpus):
     from the VllmConfig of the same command (engine/planning.plan_request), and both take what
     the runtime will do on the installed vLLM from patching/runtime.py."""
     from vllm_dualgpu import planner as P
+    from vllm_dualgpu.envs import allow_long_max_model_len
     from vllm_dualgpu.patching.runtime import runtime_assumptions
 
     spec = dict(args.speculative_config) if args.speculative_config else None
@@ -342,6 +343,7 @@ def request_from_args(args, model, gpus):
         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
         enforce_eager=args.enforce_eager,
         language_model_only=args.language_model_only,
+        allow_long_max_model_len=allow_long_max_model_len(),
         **runtime,
     )
 
