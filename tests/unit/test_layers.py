@@ -25,7 +25,7 @@ LAYERS = [
     # plugin.py applies the registry in this process (and is vLLM's entry point): the engine
     # calls it to make sure its own process is patched.
     {"vllm_dualgpu.patching", "vllm_dualgpu.plugin"},
-    {"vllm_dualgpu.engine"},
+    {"vllm_dualgpu.engine", "vllm_dualgpu.executor"},
     {"vllm_dualgpu.patches"},
     {"vllm_dualgpu.cli"},
 ]

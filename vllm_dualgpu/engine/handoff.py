@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-KEY = "dualgpu"
-PLAN = "plan"
+from vllm_dualgpu.process import HANDOFF_KEY as KEY
+from vllm_dualgpu.process import PLAN_KEY as PLAN
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from vllm_dualgpu import rank_summary
 from vllm_dualgpu.engine import handoff
 from vllm_dualgpu.log import logger
 from vllm_dualgpu.planner.gpus import rank_budget
-from vllm_dualgpu.process import DEVICE, WORKER
+from vllm_dualgpu.process import DEVICE, WORKER, note_worker_config
 
 GiB = 1024**3
 
@@ -93,8 +93,11 @@ def refuse_external_weights(load_config, vllm_config) -> None:
 
 class DualGpuWorker(Worker):
     def __init__(self, *args, **kwargs):
-        # Forked workers (vLLM's default outside `vllm serve`) skip general plugins: apply the
-        # worker patches here, before the device and the model exist (no-op if already done).
+        # This process is in a dualgpu run: its config carries the executor's plan. Model code,
+        # which holds no config, asks process.is_dualgpu_run().
+        note_worker_config(kwargs.get("vllm_config", args[0] if args else None))
+        # The worker patches apply here, before the device and the model exist (register()
+        # cannot tell which executor drives a worker; forked workers skip it).
         plugin.ensure_for_dualgpu(frozenset({WORKER}))
         super().__init__(*args, **kwargs)
 

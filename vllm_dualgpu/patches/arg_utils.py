@@ -16,7 +16,10 @@ import functools
 from collections.abc import Callable
 
 BACKEND_NAME = "dualgpu"
-EXECUTOR_QUALNAME = "vllm_dualgpu.engine.executor.DualGpuExecutor"
+EXECUTOR_QUALNAME = "vllm_dualgpu.executor.DualGpuExecutor"
+# The class paths of the same executor: vLLM's module.Class form cannot pass its own PP check
+# as a string, so these are resolved to the class like the bare name.
+EXECUTOR_PATHS = (EXECUTOR_QUALNAME, "vllm_dualgpu.engine.executor.DualGpuExecutor")
 RAY_BACKEND_NAME = "dualgpu-ray"
 OUR_EXECUTORS = ("DualGpuExecutor", "DualGpuRayExecutor")
 
@@ -24,12 +27,13 @@ OUR_EXECUTORS = ("DualGpuExecutor", "DualGpuRayExecutor")
 def resolve_backend(value: object) -> object:
     """Map a ``distributed_executor_backend`` value to what vLLM should see.
 
-    ``"dualgpu"`` and ``"dualgpu-ray"`` become the executor classes; every other value (vLLM's
+    ``"dualgpu"`` (or its class path ``vllm_dualgpu.executor.DualGpuExecutor``) and
+    ``"dualgpu-ray"`` become the executor classes; every other value (vLLM's
     own names, names a later vLLM adds, dotted class paths, classes, None) passes through
     unchanged, for vLLM to accept or refuse as it would without the plugin.
     """
-    if value == BACKEND_NAME:
-        from vllm_dualgpu.engine.executor import DualGpuExecutor
+    if value == BACKEND_NAME or value in EXECUTOR_PATHS:
+        from vllm_dualgpu.executor import DualGpuExecutor
 
         return DualGpuExecutor
     if value == RAY_BACKEND_NAME:
@@ -138,7 +142,7 @@ def wrap_create_engine_config_unsupported(original: Callable) -> Callable:
     @functools.wraps(original)
     def create_engine_config(self, usage_context=None, headless=False):
         backend = self.distributed_executor_backend
-        if backend in (BACKEND_NAME, RAY_BACKEND_NAME) or getattr(backend, "__name__", "") in OUR_EXECUTORS:
+        if backend in (BACKEND_NAME, RAY_BACKEND_NAME, *EXECUTOR_PATHS) or getattr(backend, "__name__", "") in OUR_EXECUTORS:
             from vllm_dualgpu.support import unsupported_reason
 
             reason = unsupported_reason()

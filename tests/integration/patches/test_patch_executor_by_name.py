@@ -170,3 +170,19 @@ def test_dualgpu_ray_without_ray_says_what_to_install(engine_args_cls, tiny_mode
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
     with pytest.raises(ValueError, match=r"dualgpu-ray runs on Ray, which is not installed: pip install 'vllm-dualgpu\[ray\]'"):
         make_config(engine_args_cls, tiny_model_dir, "dualgpu-ray")
+
+
+@pytest.mark.parametrize("path", ["vllm_dualgpu.executor.DualGpuExecutor",
+                                  "vllm_dualgpu.engine.executor.DualGpuExecutor"])
+def test_the_public_class_path_selects_the_executor(engine_args_cls, tiny_model_dir, path):
+    """``--distributed-executor-backend vllm_dualgpu.executor.DualGpuExecutor`` (vLLM's
+    module.Class form) is the same executor as the bare name, with PP > 1 too."""
+    from vllm.v1.executor.abstract import Executor
+
+    import vllm_dualgpu.executor
+    from vllm_dualgpu.engine.executor import DualGpuExecutor
+
+    assert vllm_dualgpu.executor.DualGpuExecutor is DualGpuExecutor
+    cfg = make_config(engine_args_cls, tiny_model_dir, path)
+    assert cfg.parallel_config.distributed_executor_backend is DualGpuExecutor
+    assert Executor.get_class(cfg) is DualGpuExecutor
