@@ -133,7 +133,7 @@ def check_platform(parallel_config) -> None:
     engine is about to start, not for a config built on its own)."""
     from vllm.platforms import current_platform
 
-    from vllm_dualgpu.engine.executor import planning_applies
+    from vllm_dualgpu.engine.plan_scope import planning_applies
 
     if planning_applies(parallel_config) is None and not current_platform.is_cuda():
         raise PreflightError(
