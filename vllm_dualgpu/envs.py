@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 
 # Per-GPU memory kept free for other programs (a desktop, a browser), in visible-GPU order.
 RESERVE = "VLLM_DUALGPU_RESERVE"
@@ -12,6 +14,14 @@ DEFAULT_RESERVE_BYTES = 1024**3
 OBJECTIVE = "VLLM_DUALGPU_OBJECTIVE"
 # Where the executor writes the plan it applied, as JSON (optional).
 PLAN_FILE = "VLLM_DUALGPU_PLAN_FILE"
+
+
+def allow_long_max_model_len() -> bool:
+    """vLLM's ``VLLM_ALLOW_LONG_MAX_MODEL_LEN`` (vllm/envs.py: '1' or 'true'): a --max-model-len
+    above the model's maximum is then accepted with a warning. The planner takes it in its
+    request (PlanRequest.allow_long_max_model_len)."""
+    return os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").strip().lower() in ("1", "true")
+
 
 def parse_size(text: str, *, what: str = "size") -> int:
     """'1.5GiB' -> bytes: the planner's reader (bare numbers are GiB below 1024, else bytes)."""

@@ -10,7 +10,7 @@ from vllm_dualgpu._version import __version__
 from vllm_dualgpu import support
 from vllm_dualgpu.log import ensure_vllm_logging, logger
 from vllm_dualgpu.patching.core import ALREADY, APPLIED, Outcome, apply_patch, opted_out, version_in_range
-from vllm_dualgpu.process import DEVICE, WORKER, current_process_kinds, dualgpu_active, process_label
+from vllm_dualgpu.process import DEVICE, WORKER, current_process_kinds, is_dualgpu_run, process_label
 
 _lock = threading.Lock()
 # What this process applied: {"pid", "kinds", "outcomes"}. Keyed by pid because vLLM forks its
@@ -24,12 +24,13 @@ def installed_vllm_version() -> str:
 
 
 def select_patches(kinds: frozenset[str], active: bool):
-    """The registry entries for this process. Workers of other executors get none; an entry the
+    """The registry entries for this process. Worker and device entries only where the process
+    knows it is in a dualgpu run (``active``): other executors' workers get none. An entry the
     user opted out of (Patch.opt_out) is left out."""
     from vllm_dualgpu.patching.registry import PATCHES
 
-    if (WORKER in kinds or DEVICE in kinds) and not active:
-        return ()
+    if not active:
+        kinds = frozenset(kinds) - {WORKER, DEVICE}
     return tuple(p for p in PATCHES
                  if kinds.intersection(p.processes) and not opted_out(p) and not p.when)
 
@@ -53,26 +54,32 @@ def ensure_virtual_gpus() -> list[Outcome]:
 
 
 def register() -> list[Outcome]:
-    """Entry point body: apply the patches for this process once and log one line."""
-    return ensure(current_process_kinds())
+    """Entry point body: apply the patches for this process once and log one line.
+
+    A worker process does not know here which executor drives it (vLLM loads plugins before
+    it builds the worker): the dualgpu worker applies the worker patches itself
+    (:func:`ensure_for_dualgpu`)."""
+    return ensure(current_process_kinds(), is_dualgpu_run())
 
 
-def ensure(kinds: frozenset[str]) -> list[Outcome]:
+def ensure(kinds: frozenset[str], active: bool = False) -> list[Outcome]:
     """Apply the patches of `kinds` in this process unless done already (idempotent).
 
     register() calls it with the kinds read from the process name; the executor (EngineCore)
     and the worker class call it with their own kind, which covers forked processes where
-    vLLM does not run plugins again.
+    vLLM does not run plugins again. Worker and device patches apply only when ``active`` (a
+    process of a dualgpu run). A kind counts as done only once all of its patches were tried:
+    an exception part-way leaves it to the next call.
     """
     ensure_vllm_logging()
     with _lock:
         if _state["pid"] != os.getpid():
             _state.update(pid=os.getpid(), kinds=frozenset(), outcomes=None)
-        new = frozenset(kinds) - _state["kinds"]
+        asked = frozenset(kinds) if active else frozenset(kinds) - {WORKER, DEVICE}
+        new = asked - _state["kinds"]
         if _state["outcomes"] is not None and not new:
             return _state["outcomes"]
-        _state["kinds"] = _state["kinds"] | new
-        where = process_label(_state["kinds"])
+        where = process_label(_state["kinds"] | frozenset(kinds))
         version = installed_vllm_version()
         reason = support.unsupported_reason(version)
         if reason:
@@ -81,19 +88,27 @@ def ensure(kinds: frozenset[str]) -> list[Outcome]:
             # Only the guard that refuses the dualgpu backend with that message applies here.
             guards = [apply_patch(p, version) for p in select_patches(new, True)
                       if version_in_range(version, p.vllm_versions)]
-            _state["outcomes"] = (_state["outcomes"] or []) + guards
+            _state.update(kinds=_state["kinds"] | new, outcomes=(_state["outcomes"] or []) + guards)
             return _state["outcomes"]
-        active = dualgpu_active()
         # An entry whose range leaves this vLLM out is for other releases: not applied, not
         # reported as skipped (doctor still lists it).
         outcomes = [apply_patch(p, version) for p in select_patches(new, active)
                     if version_in_range(version, p.vllm_versions)]
-        _state["outcomes"] = (_state["outcomes"] or []) + outcomes
+        _state.update(kinds=_state["kinds"] | new, outcomes=(_state["outcomes"] or []) + outcomes)
         if new == {DEVICE}:
             _note_device_phase(outcomes)
         else:
             _log_summary(where, version, active, outcomes)
         return _state["outcomes"]
+
+
+def required_patches(kinds: frozenset[str], version: str) -> list:
+    """The patches a dualgpu process of ``kinds`` must have applied on vLLM ``version``: from
+    the registry, whatever this process happened to try."""
+    from vllm_dualgpu.patching.registry import PATCHES
+
+    return [p for p in PATCHES if frozenset(kinds).intersection(p.processes) and not p.optional
+            and not opted_out(p) and version_in_range(version, p.vllm_versions)]
 
 
 class StartupRefused(RuntimeError):
@@ -108,7 +123,7 @@ def ensure_for_dualgpu(kinds: frozenset[str]) -> list[Outcome]:
     makes it log one ERROR line and raise :class:`StartupRefused` with the same line. Outside
     a dualgpu run :func:`ensure` only warns: other executors run as stock vLLM.
     """
-    outcomes = ensure(kinds)
+    outcomes = ensure(kinds, active=True)
     problems = startup_problems(kinds, outcomes)
     if problems:
         message = refusal_message(process_label(frozenset(kinds)), problems)
@@ -126,11 +141,13 @@ def startup_problems(kinds: frozenset[str], outcomes: list[Outcome]) -> list[str
     unsupported = support.unsupported_reason(version)
     if unsupported:
         return [unsupported]
-    problems = [
-        f"required patch {o.short()} was skipped"
-        for o in outcomes
-        if o.status not in (APPLIED, ALREADY) and not o.patch.optional
-    ]
+    problems = []
+    for patch in required_patches(frozenset(kinds), version):
+        mine = [o for o in outcomes if o.patch.name == patch.name]
+        if not mine:
+            problems.append(f"required patch {patch.name} was not applied in this process")
+        elif not any(o.status in (APPLIED, ALREADY) for o in mine):
+            problems.append(f"required patch {mine[-1].short()} was skipped")
     problems += [
         f"{f.intervention.kind} {f.short()} does not hold"
         for f in check_all(version, frozenset(kinds))
@@ -175,8 +192,9 @@ def _log_summary(where: str, version: str, active: bool, outcomes: list[Outcome]
     applied, skipped = _applied_and_skipped(outcomes)
     if not outcomes and WORKER in where and not active:
         logger.info(
-            "vllm-dualgpu %s (%s, pid %d, vLLM %s): inactive, this run does not use the "
-            "dualgpu executor", __version__, where, os.getpid(), version,
+            "vllm-dualgpu %s (%s, pid %d, vLLM %s): nothing applied yet; the dualgpu worker "
+            "applies the worker patches when it starts (none under other executors)",
+            __version__, where, os.getpid(), version,
         )
         return
     # The pid tells the processes apart: a spawned worker logs this before vLLM prefixes its

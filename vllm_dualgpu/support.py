@@ -22,11 +22,30 @@ def installed_vllm_version() -> str | None:
         return None
 
 
-def is_supported(version: str) -> bool:
+#: A range written ``not <specifier>`` holds every version the specifier leaves out.
+NOT = "not "
+
+
+def version_in_range(version: str, spec: str) -> bool:
+    """Whether ``version`` matches the PEP 440 specifier ``spec``, any of ``A || B``, or (spec
+    ``not S``) is left out by ``S``.
+
+    Pre-releases, development builds, post-releases and local builds are matched as the
+    versions they are (``0.33.1.dev12+g0123abc`` is in ``<0.34``; ``0.34.0rc1`` and
+    ``0.30.0rc2`` are not in ``>=0.30.0,<0.34``), never left out of both a range and its
+    ``not``.
+    """
     from packaging.specifiers import SpecifierSet
     from packaging.version import Version
 
-    return Version(version) in SpecifierSet(SUPPORTED_VLLM)
+    if spec.startswith(NOT):
+        return not version_in_range(version, spec[len(NOT):])
+    v = Version(version)
+    return any(SpecifierSet(part.strip()).contains(v, prereleases=True) for part in spec.split("||"))
+
+
+def is_supported(version: str) -> bool:
+    return version_in_range(version, SUPPORTED_VLLM)
 
 
 def unsupported_reason(version: str | None = None) -> str | None:

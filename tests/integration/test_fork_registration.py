@@ -7,6 +7,7 @@ worker class now call plugin.ensure() for their own process kind.
 
 from __future__ import annotations
 
+import ctypes.util
 import os
 import subprocess
 import sys
@@ -16,31 +17,38 @@ from vllm_dualgpu.patching.registry import PATCHES
 
 CHILD = textwrap.dedent(
     """
-    import os
+    import json, os
     from vllm_dualgpu import plugin
     plugin.register()                       # the front end (MainProcess)
-    os.environ["VLLM_DUALGPU_ACTIVE"] = "1"  # what DualGpuExecutor sets before its workers start
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
-        first = plugin.ensure(frozenset({"worker"}))
-        again = plugin.ensure(frozenset({"worker"}))
-        msg = ",".join(sorted(o.patch.name for o in first)) + "|" + str(again is first)
-        os.write(w, msg.encode())
-        os._exit(0)
+        try:
+            # register() in a worker cannot tell the executor: it applies no worker patch ...
+            before = plugin.ensure(frozenset({"worker"}))
+            # ... the dualgpu worker class then applies them (DualGpuWorker.__init__, through
+            # ensure_for_dualgpu, which also refuses when a required one is skipped)
+            first = plugin.ensure(frozenset({"worker"}), active=True)
+            again = plugin.ensure(frozenset({"worker"}), active=True)
+            os.write(w, json.dumps({"before": [o.patch.name for o in before],
+                                    "first": sorted([o.patch.name, o.status] for o in first),
+                                    "same": again is first}).encode())
+        finally:
+            os._exit(0)
     os.waitpid(pid, 0)
     print("CHILD " + os.read(r, 100000).decode())
-    print("PARENT " + ",".join(sorted(o.patch.name for o in plugin.ensure(frozenset({"frontend"})))))
+    print("PARENT " + json.dumps(sorted([o.patch.name, o.status] for o in plugin.ensure(frozenset({"frontend"})))))
     """
 )
 
 
 def test_forked_worker_applies_worker_patches_once():
+    import json
+
     r = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=300,
                        env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
     assert r.returncode == 0, r.stderr[-3000:]
-    child = next(l for l in r.stdout.splitlines() if l.startswith("CHILD ")).split(" ", 1)[1]
-    names, same = child.split("|")
+    child = json.loads(next(l for l in r.stdout.splitlines() if l.startswith("CHILD ")).split(" ", 1)[1])
     import vllm
 
     from vllm_dualgpu.patching.core import version_in_range
@@ -48,12 +56,22 @@ def test_forked_worker_applies_worker_patches_once():
     here = [p for p in PATCHES if version_in_range(vllm.__version__, p.vllm_versions)]
     worker_patches = sorted(p.name for p in here if "worker" in p.processes)
     frontend_only = sorted(p.name for p in here if p.processes == ("frontend",))
-    assert names.split(",") == worker_patches
-    assert same == "True"  # the second ensure() is a no-op
-    parent = next(l for l in r.stdout.splitlines() if l.startswith("PARENT ")).split(" ", 1)[1]
-    assert parent.split(",") == frontend_only  # the parent's record is its own
+    assert child["before"] == []
+    # every worker patch of this release applied in the forked worker, not merely attempted;
+    # without a CUDA driver (CI) vLLM's CUDA platform module cannot import, so its patches
+    # are skipped there and only there
+    no_driver = ctypes.util.find_library("cuda") is None
+    cuda_platform = {p.name for p in here if p.target.startswith("vllm.platforms.cuda:")}
+    assert child["first"] == [[name, "skipped" if no_driver and name in cuda_platform else "applied"]
+                              for name in worker_patches]
+    assert len(cuda_platform) < len(worker_patches) - 3
+    assert child["same"] is True  # the second call is a no-op
+    parent = json.loads(next(l for l in r.stdout.splitlines() if l.startswith("PARENT ")).split(" ", 1)[1])
+    assert parent == [[name, "applied"] for name in frontend_only]  # the parent's record is its own
     logs = r.stdout + r.stderr
-    assert sum("vllm-dualgpu 0.1.0 (worker, pid" in l for l in logs.splitlines()) == 1
+    worker_lines = [l for l in logs.splitlines() if "vllm-dualgpu 0.1.0 (worker, pid" in l]
+    assert len(worker_lines) == 2  # register()'s, then the one line of what was applied
+    assert "nothing applied yet" in worker_lines[0] and "): applied " in worker_lines[1]
     assert sum("vllm-dualgpu 0.1.0 (frontend, pid" in l for l in logs.splitlines()) == 1
 
 

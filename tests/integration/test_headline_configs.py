@@ -170,18 +170,21 @@ def test_w8a16_quantizes_what_the_reference_checkpoint_does(engine_config, model
 
 def test_the_planner_moves_layers_off_a_slower_card(models):
     """The split the speed mode compares with the fastest measured one: the pure planner, speed
-    objective, for this pair with the measured bandwidths. A card with half the bandwidth gets no
-    more layers than with equal cards; every plan holds all 64 layers."""
+    objective, for this pair with the measured bandwidths. A card with half the bandwidth gets
+    fewer layers than with equal cards, and with the bandwidths the other way round the other
+    card does: the bandwidth decides. Every plan holds all 64 layers."""
     d = models["fp8"]
     equal = hl.planned_split(d, hl.FREE, TOTAL, [4800.0, 4800.0], "speed")
     slow1 = hl.planned_split(d, hl.FREE, TOTAL, [4800.0, 2400.0], "speed")
-    for p in (equal, slow1):
+    slow0 = hl.planned_split(d, hl.FREE, TOTAL, [2400.0, 4800.0], "speed")
+    for p in (equal, slow1, slow0):
         assert sum(p["partition"]) == 64 and sorted(p["order"]) == [0, 1]
 
-    def on_gpu1(p):
-        return p["partition"][p["order"].index(1)]
+    def on_gpu(p, gpu):
+        return p["partition"][p["order"].index(gpu)]
 
-    assert on_gpu1(slow1) <= on_gpu1(equal)
+    assert on_gpu(slow1, 1) < on_gpu(equal, 1)
+    assert on_gpu(slow0, 0) < on_gpu(equal, 0)
 
 
 def _sweep(readings):

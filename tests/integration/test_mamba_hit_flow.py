@@ -24,13 +24,15 @@ keep the stock hits, with and without the dualgpu executor active.
 
 from __future__ import annotations
 
+import os
+
 import types
 
 import pytest
 import torch
 
 from vllm_dualgpu.patching.registry import PATCHES
-from vllm_dualgpu.process import ACTIVE_ENV
+from vllm_dualgpu import process
 
 BS = 144  # attention page == GDN state block (vLLM's hybrid block-size alignment)
 NUM_SPEC = 2  # MTP num_speculative_tokens
@@ -147,9 +149,9 @@ def flow():
 def stock(request, monkeypatch):
     """vLLM's own lookup; under the dualgpu executor no registry patch touches it."""
     if request.param:
-        monkeypatch.setenv(ACTIVE_ENV, "1")
+        monkeypatch.setattr(process, "_worker_run", {"pid": os.getpid(), "run": True})
     else:
-        monkeypatch.delenv(ACTIVE_ENV, raising=False)
+        monkeypatch.setattr(process, "_worker_run", {"pid": None, "run": False})
     yield
 
 

@@ -32,8 +32,6 @@ def _errors(out: str) -> list[str]:
     (["-pp", "2", "--distributed-executor-backend", "dualgpu"],
      "the dualgpu executor needs NVIDIA GPUs, but vLLM runs on its 'cpu' platform here. Use "
      "--distributed-executor-backend mp"),
-    (["-pp", "2", "--distributed-executor-backend", "dualgpo"],
-     "Unknown --distributed-executor-backend 'dualgpo'. Did you mean 'dualgpu'?"),
 ])
 def test_refusal_is_one_error_line_without_traceback(tiny_model_dir, args, first):
     rc, out = serve(tiny_model_dir, *args)
@@ -80,9 +78,33 @@ def test_refuse_hook_passes_other_exceptions_on(monkeypatch):
     ours = preflight.PreflightError("x")
     preflight.refuse(ours)
     sys.excepthook(type(ours), ours, None)
+    preflight.refuse(ours)
     wrapped = RuntimeError("engine failed")
     wrapped.__cause__ = ours
     sys.excepthook(RuntimeError, wrapped, None)
+    preflight.refuse(ours)
+    other = KeyError("k")
+    sys.excepthook(KeyError, other, None)
+    assert seen == [other]
+
+
+def test_refuse_leaves_no_hook_behind(monkeypatch):
+    """The hook is installed once however many refusals there are, and it is gone after its
+    first use: the process's excepthook is the one it had before."""
+    from vllm_dualgpu.engine import preflight
+
+    seen = []
+
+    def before(*a):
+        seen.append(a[1])
+
+    monkeypatch.setattr(sys, "excepthook", before)
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+    first, second = preflight.PreflightError("a"), preflight.PreflightError("b")
+    preflight.refuse(first)
+    preflight.refuse(second)  # e.g. an LLM(...) caller caught the first and tried again
+    sys.excepthook(type(second), second, None)  # the uncaught one: nothing more printed
+    assert seen == [] and sys.excepthook is before
     other = KeyError("k")
     sys.excepthook(KeyError, other, None)
     assert seen == [other]

@@ -25,7 +25,7 @@ LAYERS = [
     # plugin.py applies the registry in this process (and is vLLM's entry point): the engine
     # calls it to make sure its own process is patched.
     {"vllm_dualgpu.patching", "vllm_dualgpu.plugin"},
-    {"vllm_dualgpu.engine"},
+    {"vllm_dualgpu.engine", "vllm_dualgpu.executor"},
     {"vllm_dualgpu.patches"},
     {"vllm_dualgpu.cli"},
 ]
@@ -80,3 +80,27 @@ def test_no_module_imports_up_the_layers():
 def test_every_package_module_has_a_layer():
     for mod, name, _ in imports():
         layer_of(mod), layer_of(name)  # raises StopIteration for a module outside LAYERS
+
+
+def test_no_import_circles():
+    """No module reaches itself through imports (in-function imports count): a circle inside a
+    layer hides which module is the lower one."""
+    graph: dict[str, set[str]] = {}
+    for mod, name, _ in imports():
+        if name != mod and not mod.startswith(name + "."):  # a package's own __init__
+            graph.setdefault(mod, set()).add(name)
+    circles = []
+
+    def reach(start: str) -> set[str]:
+        seen, todo = set(), list(graph.get(start, ()))
+        while todo:
+            m = todo.pop()
+            if m not in seen:
+                seen.add(m)
+                todo.extend(graph.get(m, ()))
+        return seen
+
+    for mod in sorted(graph):
+        if mod in reach(mod):
+            circles.append(mod)
+    assert circles == [], "modules in an import circle: " + ", ".join(circles)

@@ -14,7 +14,10 @@ import os
 import re
 import shlex
 import sys
-from pathlib import Path
+
+from vllm_dualgpu.cli.inputs import UsageError as _Fail
+from vllm_dualgpu.cli.inputs import read_config as _read_config
+from vllm_dualgpu.cli.inputs import with_default_reserves as _with_default_reserves
 
 _EPILOG = """\
 --gpus syntax: comma-separated NAME[:TOTAL[:FREE]][:key=value...], in CUDA index order.
@@ -147,52 +150,6 @@ def add_parser(sub) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-class _Fail(Exception):
-    """A usage problem: print the message and exit 2."""
-
-
-def _read_config(model: str) -> tuple[dict, str]:
-    path = Path(model).expanduser()
-    if path.is_dir():
-        cfg = path / "config.json"
-    elif path.is_file():
-        cfg = path
-    else:
-        cfg = None
-        if re.fullmatch(r"[\w.-]+/[\w.-]+", model):  # a Hub id: look in the local Hugging Face cache
-            home = Path(os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME", "~/.cache/huggingface")) / "hub")
-            snaps = sorted((home.expanduser() / f"models--{model.replace('/', '--')}" / "snapshots").glob("*/config.json"))
-            if snaps:
-                cfg = snaps[-1]
-        if cfg is None:
-            raise _Fail(
-                f"cannot find {model!r}: give a local model directory with config.json (plan does not "
-                "download anything)"
-            )
-    if not cfg.is_file():
-        raise _Fail(f"{path} has no config.json")
-    try:
-        return json.loads(cfg.read_text()), str(cfg)
-    except (OSError, json.JSONDecodeError) as e:
-        raise _Fail(f"cannot read {cfg}: {e}") from None
-
-
-def _with_default_reserves(gpus, spec: str | None):
-    """GPUs whose --gpus entry names no reserve= get what the executor would keep free on them:
-    VLLM_DUALGPU_RESERVE, else its default (1 GiB a card)."""
-    from dataclasses import replace
-
-    from vllm_dualgpu import envs
-
-    try:
-        defaults = envs.parse_reserve(os.environ.get(envs.RESERVE), len(gpus))
-    except ValueError as e:
-        raise _Fail(str(e)) from None
-    entries = spec.split(",") if spec else [""] * len(gpus)
-    return [g if "reserve=" in entry else replace(g, reserve_bytes=r)
-            for g, entry, r in zip(gpus, entries, defaults)]
-
-
 def _gpus(args, have_model: bool):
     gpus, notes = _gpus_as_given(args, have_model)
     explicit = args.gpus if args.gpus is not None and args.gpus.strip().lower() != "local" else None
@@ -306,6 +263,7 @@ def request_from_args(args, model, gpus):
     from the VllmConfig of the same command (engine/planning.plan_request), and both take what
     the runtime will do on the installed vLLM from patching/runtime.py."""
     from vllm_dualgpu import planner as P
+    from vllm_dualgpu.envs import allow_long_max_model_len
     from vllm_dualgpu.patching.runtime import runtime_assumptions
 
     spec = dict(args.speculative_config) if args.speculative_config else None
@@ -342,6 +300,7 @@ def request_from_args(args, model, gpus):
         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
         enforce_eager=args.enforce_eager,
         language_model_only=args.language_model_only,
+        allow_long_max_model_len=allow_long_max_model_len(),
         **runtime,
     )
 

@@ -23,6 +23,8 @@ import sys
 from importlib import resources
 from pathlib import Path
 
+from vllm_dualgpu.cli.inputs import read_config, with_default_reserves
+
 _FILE_KEYS = {"hosts", "model", "serve", "link", "tp_sizes", "prefer", "route_name", "topology", "measured", "about"}
 EXAMPLE = "fleet-example.json"
 
@@ -73,11 +75,10 @@ def _fleet_file(name: str) -> tuple[dict, str]:
 
 def _with_reserves(specs):
     """Hosts with the executor's default reserve on cards whose entry names none (as ``plan``)."""
-    from vllm_dualgpu.cli.plan import _with_default_reserves
     from vllm_dualgpu.planner import parse_gpus
     from vllm_dualgpu.planner.topology import Fleet, Host
 
-    return Fleet(tuple(Host(name, tuple(_with_default_reserves(parse_gpus(spec), spec))) for name, spec in specs))
+    return Fleet(tuple(Host(name, tuple(with_default_reserves(parse_gpus(spec), spec))) for name, spec in specs))
 
 
 def _sizes(text: str) -> list[int]:
@@ -91,7 +92,6 @@ def _build(args):
     """(config, weight format, quantization, fleet, request, link, tp sizes, prefer, route name,
     topology id, measured, source) from the flags and the fleet file; flags win."""
     from vllm_dualgpu import planner as P
-    from vllm_dualgpu.cli.plan import _read_config
     from vllm_dualgpu.planner import topology as T
     from vllm_dualgpu.planner.topology_routes import read_measured
     from vllm_dualgpu.planner.topology_speed import LinkModel
@@ -124,7 +124,7 @@ def _build(args):
         raise _Fail("give a model or --reference, not both")
     ref_defaults = {}
     if model_arg or (m.get("path") and not args.reference):
-        cfg, where = _read_config(model_arg or str(m["path"]))
+        cfg, where = read_config(model_arg or str(m["path"]))
     else:
         ref = args.reference or m.get("reference") or "qwen3.8-27b"
         m = {**m, "reference": ref, "path": None}

@@ -8,18 +8,9 @@ from __future__ import annotations
 
 from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
+from vllm_dualgpu.engine.plan_scope import planning_applies
 from vllm_dualgpu.engine.planned_executor import PlannedExecutor
 from vllm_dualgpu.log import logger
-
-
-def planning_applies(parallel_config) -> str | None:
-    """None when the dualgpu plan applies, else why the executor behaves like stock."""
-    # TP groups as pipeline stages are planned (planner/tp_stages.py); TP alone is stock vLLM's.
-    if parallel_config.pipeline_parallel_size < 2:
-        return "pipeline_parallel_size=1"
-    if parallel_config.data_parallel_size != 1 or parallel_config.nnodes > 1:
-        return "data parallel or multi-node runs"
-    return None
 
 
 def dead_rank_lines(workers, gpus=None, tp_size: int = 1) -> list[str]:

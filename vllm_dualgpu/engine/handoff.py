@@ -18,9 +18,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from vllm_dualgpu.virtual_gpus import VirtualCard
-
-KEY = "dualgpu"
-PLAN = "plan"
+from vllm_dualgpu.process import HANDOFF_KEY as KEY
+from vllm_dualgpu.process import PLAN_KEY as PLAN
 
 
 @dataclass(frozen=True)

@@ -6,11 +6,9 @@ base class. No side effects at import: EngineCore unpickles the config before pl
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 from vllm_dualgpu.log import logger
-from vllm_dualgpu.process import ACTIVE_ENV
 
 
 class PlannedExecutor:
@@ -30,7 +28,6 @@ class PlannedExecutor:
         self.dualgpu = None
         why_not = planning_applies(self.parallel_config)
         if why_not is not None:
-            os.environ.pop(ACTIVE_ENV, None)
             logger.info("vllm-dualgpu: %s, running as %s", why_not, stock)
             return
         from vllm_dualgpu.engine import preflight
@@ -50,9 +47,8 @@ class PlannedExecutor:
         apply_flashinfer_autotune_policy(
             self.vllm_config.kernel_config, [g.capability for g in self.dualgpu.gpus]
         )
-        # Workers inherit the environment (Ray's: the driver's variables); worker-side patches
-        # act only where it is set.
-        os.environ[ACTIVE_ENV] = "1"
+        # The workers know they are in a dualgpu run from their class (DualGpuWorker) and the
+        # plan's hand-off in the config they receive (process.is_dualgpu_run): no environment.
 
     def determine_available_memory(self) -> list[int]:
         available = super().determine_available_memory()

@@ -74,6 +74,7 @@ def plan_request(vllm_config, user_partition: list[int] | None):
         mamba_cache_dtype=str(getattr(cc, "mamba_cache_dtype", "auto")),
         mamba_ssm_cache_dtype=str(getattr(cc, "mamba_ssm_cache_dtype", "auto")),
         enforce_eager=bool(mc.enforce_eager),
+        allow_long_max_model_len=envs.allow_long_max_model_len(),
         # What the registry's patches (or vLLM itself) make the ranks hold on this release;
         # `vllm-dualgpu plan` asks the same function.
         **runtime_assumptions().request_fields(),

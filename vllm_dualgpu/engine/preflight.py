@@ -36,30 +36,41 @@ def is_debug_logging() -> bool:
     return os.environ.get("VLLM_LOGGING_LEVEL", "INFO").strip().upper() == "DEBUG"
 
 
+REFUSED = "__vllm_dualgpu_refused__"
+"""Marks an exception :func:`refuse` has logged (its ERROR line said it all)."""
+
+
 def refuse(error: BaseException) -> None:
     """Log ``error`` as one ERROR line, first, and keep its traceback off the terminal.
 
     The caller re-raises, so ``LLM(...)`` users get the exception to catch. Left uncaught (as
     in ``vllm serve``), Python's last step prints the traceback; a hook installed here prints
-    nothing more for this exception (the ERROR line said it all) unless vLLM's debug logging
-    is on. Every other exception goes to the hook that was there before.
+    nothing more for a refused exception (also when vLLM wrapped it) unless vLLM's debug
+    logging is on. The hook is installed once however many refusals there are, and puts the
+    process's previous hook back at its first call; every other exception goes to that one.
     """
     import sys
 
     logger.error("%s", error)
     if is_debug_logging():
         return
+    setattr(error, REFUSED, True)
+    if getattr(sys.excepthook, REFUSED, False):
+        return
     previous = sys.excepthook
 
     def excepthook(exc_type, exc, tb):
+        if sys.excepthook is excepthook:
+            sys.excepthook = previous
         seen, cause = set(), exc
-        while cause is not None and id(cause) not in seen:  # also when vLLM wrapped it
-            if cause is error:
+        while cause is not None and id(cause) not in seen:
+            if getattr(cause, REFUSED, False):
                 return
             seen.add(id(cause))
             cause = cause.__cause__ or cause.__context__
         previous(exc_type, exc, tb)
 
+    setattr(excepthook, REFUSED, True)
     sys.excepthook = excepthook
 
 
@@ -139,7 +150,7 @@ def check_platform(parallel_config) -> None:
     engine is about to start, not for a config built on its own)."""
     from vllm.platforms import current_platform
 
-    from vllm_dualgpu.engine.executor import planning_applies
+    from vllm_dualgpu.engine.plan_scope import planning_applies
 
     if planning_applies(parallel_config) is None and not current_platform.is_cuda():
         raise PreflightError(

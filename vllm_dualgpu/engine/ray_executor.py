@@ -19,8 +19,20 @@ class DualGpuRayExecutor(PlannedExecutor, RayExecutorV2):
     supports_pp: bool = True
 
     def _init_executor(self) -> None:
+        import os
+
         from vllm_dualgpu.engine import ray_planning
 
-        self.start_planned(ray_planning.planning_applies, ray_planning.apply_cluster_plan,
-                           "vLLM's Ray executor")
-        super()._init_executor()
+        # The plan exports the bundle indices for vLLM's worker start only: once the workers run
+        # (or failed to start), the process's environment is as before, so a later engine in it
+        # plans afresh instead of meeting this one's value.
+        before = os.environ.get(ray_planning.BUNDLE_ENV)
+        try:
+            self.start_planned(ray_planning.planning_applies, ray_planning.apply_cluster_plan,
+                               "vLLM's Ray executor")
+            super()._init_executor()
+        finally:
+            if before is None:
+                os.environ.pop(ray_planning.BUNDLE_ENV, None)
+            else:
+                os.environ[ray_planning.BUNDLE_ENV] = before

@@ -46,7 +46,7 @@ RAY_DEVICE_KEY = "GPU"  # vLLM's CUDA platform's ray_device_key
 
 def planning_applies(parallel_config) -> str | None:
     """None when the plan applies on Ray, else why the executor runs as vLLM's Ray executor."""
-    from vllm_dualgpu.engine.executor import planning_applies as one_host
+    from vllm_dualgpu.engine.plan_scope import planning_applies as one_host
 
     why = one_host(parallel_config)
     if why is None and parallel_config.tensor_parallel_size != 1:

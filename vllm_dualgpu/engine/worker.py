@@ -22,7 +22,7 @@ from vllm_dualgpu.engine import handoff
 from vllm_dualgpu.patches import virtual_gpus
 from vllm_dualgpu.log import logger
 from vllm_dualgpu.planner.gpus import rank_budget
-from vllm_dualgpu.process import DEVICE, WORKER
+from vllm_dualgpu.process import DEVICE, WORKER, note_worker_config
 
 GiB = 1024**3
 
@@ -110,8 +110,11 @@ def _virtual_note(card, device) -> str:
 
 class DualGpuWorker(Worker):
     def __init__(self, *args, **kwargs):
-        # Forked workers (vLLM's default outside `vllm serve`) skip general plugins: apply the
-        # worker patches here, before the device and the model exist (no-op if already done).
+        # This process is in a dualgpu run: its config carries the executor's plan. Model code,
+        # which holds no config, asks process.is_dualgpu_run().
+        note_worker_config(kwargs.get("vllm_config", args[0] if args else None))
+        # The worker patches apply here, before the device and the model exist (register()
+        # cannot tell which executor drives a worker; forked workers skip it).
         plugin.ensure_for_dualgpu(frozenset({WORKER}))
         super().__init__(*args, **kwargs)
         self._virtual_card = _activate_virtual_card(self.vllm_config, self.rank)
@@ -238,34 +241,52 @@ class DualGpuWorker(Worker):
         return result
 
     def _exit_on_warmup_error(self, exc: BaseException) -> None:
-        """Any other failure in warm-up: the same reason to end the worker as for OOM."""
-        free, total = torch.cuda.mem_get_info(self.device)
-        logger.exception(
-            "vllm-dualgpu rank %d (%s) failed during warm-up, after the KV cache was sized "
-            "(%s free of %s): %s. Ending this worker so the engine shuts down instead of "
-            "waiting for it. If the error is a CUDA or NCCL allocation failure, raise %s.",
-            self.rank, torch.cuda.get_device_name(self.device), _gib(free), _gib(total),
-            exc, envs.RESERVE,
-        )
-        _end_this_process()
+        """Any other failure in warm-up: the same reason to end the worker as for OOM (no memory
+        advice: the error is not about memory)."""
+        try:
+            name, state = self._gpu_state()
+            logger.error(
+                "vllm-dualgpu rank %d (%s) failed during warm-up, after the KV cache was sized "
+                "(%s): %s. Ending this worker so the engine shuts down instead of waiting for it.",
+                self.rank, name, state, exc, exc_info=exc,
+            )
+        finally:
+            _end_this_process()
 
     def _exit_on_oom(self, exc: BaseException) -> None:
         """Out of memory in warm-up: say what to change and end this worker.
 
         Returning the error is not enough: the other rank waits in a pipeline receive for this
         one, so the engine would wait forever. A dead worker makes vLLM shut the engine down.
+        The process ends whatever fails while the line is written.
         """
-        free, total = torch.cuda.mem_get_info(self.device)
-        record = getattr(self, "_dualgpu_rank", None)
-        reserve = record.reserve_bytes if record else envs.DEFAULT_RESERVE_BYTES
-        logger.error(
-            "vllm-dualgpu rank %d (%s) ran out of memory during warm-up, after the KV cache was "
-            "sized (%s free of %s; reserve %s): %s. Keep more free on this GPU: raise its "
-            "value in %s (e.g. %s), or lower --max-num-batched-tokens / --max-num-seqs.",
-            self.rank, torch.cuda.get_device_name(self.device), _gib(free), _gib(total),
-            _gib(reserve), _oom_detail(exc), envs.RESERVE, _gib(reserve + GiB),
-        )
-        _end_this_process()
+        try:
+            name, state = self._gpu_state()
+            record = getattr(self, "_dualgpu_rank", None)
+            reserve = record.reserve_bytes if record else envs.DEFAULT_RESERVE_BYTES
+            logger.error(
+                "vllm-dualgpu rank %d (%s) ran out of memory during warm-up, after the KV cache was "
+                "sized (%s; reserve %s): %s. Keep more free on this GPU: raise its value in %s "
+                "(e.g. %s), or lower --max-num-batched-tokens / --max-num-seqs.",
+                self.rank, name, state, _gib(reserve), _oom_detail(exc), envs.RESERVE,
+                _gib(reserve + GiB),
+            )
+        finally:
+            _end_this_process()
+
+    def _gpu_state(self) -> tuple[str, str]:
+        """This rank's GPU name and free memory for an error line. After a sticky CUDA fault
+        every CUDA call raises again: then say so instead of raising."""
+        try:
+            name = torch.cuda.get_device_name(self.device)
+        except Exception:
+            record = getattr(self, "_dualgpu_rank", None)
+            name = record.gpu_name if record else f"device {self.device}"
+        try:
+            free, total = torch.cuda.mem_get_info(self.device)
+        except Exception as err:
+            return name, f"GPU memory unreadable after the error: {str(err).splitlines()[0]}"
+        return name, f"{_gib(free)} free of {_gib(total)}"
 
     def _log_summary(self) -> None:
         if getattr(self, "_virtual_card", None) is not None:

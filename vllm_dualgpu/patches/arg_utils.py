@@ -16,23 +16,24 @@ import functools
 from collections.abc import Callable
 
 BACKEND_NAME = "dualgpu"
-EXECUTOR_QUALNAME = "vllm_dualgpu.engine.executor.DualGpuExecutor"
+EXECUTOR_QUALNAME = "vllm_dualgpu.executor.DualGpuExecutor"
+# The class paths of the same executor: vLLM's module.Class form cannot pass its own PP check
+# as a string, so these are resolved to the class like the bare name.
+EXECUTOR_PATHS = (EXECUTOR_QUALNAME, "vllm_dualgpu.engine.executor.DualGpuExecutor")
 RAY_BACKEND_NAME = "dualgpu-ray"
 OUR_EXECUTORS = ("DualGpuExecutor", "DualGpuRayExecutor")
-# The bare names vLLM 0.30's Executor.get_class understands itself.
-STOCK_BACKENDS = ("mp", "ray", "uni", "external_launcher")
 
 
 def resolve_backend(value: object) -> object:
     """Map a ``distributed_executor_backend`` value to what vLLM should see.
 
-    ``"dualgpu"`` becomes the executor class; stock names, dotted class paths, classes and
-    None pass through unchanged; any other bare word is a typo and raises with the choices.
+    ``"dualgpu"`` (or its class path ``vllm_dualgpu.executor.DualGpuExecutor``) and
+    ``"dualgpu-ray"`` become the executor classes; every other value (vLLM's
+    own names, names a later vLLM adds, dotted class paths, classes, None) passes through
+    unchanged, for vLLM to accept or refuse as it would without the plugin.
     """
-    if not isinstance(value, str):
-        return value
-    if value == BACKEND_NAME:
-        from vllm_dualgpu.engine.executor import DualGpuExecutor
+    if value == BACKEND_NAME or value in EXECUTOR_PATHS:
+        from vllm_dualgpu.executor import DualGpuExecutor
 
         return DualGpuExecutor
     if value == RAY_BACKEND_NAME:
@@ -49,18 +50,18 @@ def resolve_backend(value: object) -> object:
         from vllm_dualgpu.engine.ray_executor import DualGpuRayExecutor
 
         return DualGpuRayExecutor
-    if value in STOCK_BACKENDS or "." in value:
-        return value
-    known = (*STOCK_BACKENDS, BACKEND_NAME, RAY_BACKEND_NAME)
-    close = difflib.get_close_matches(value, known, n=1)
-    hint = f" Did you mean '{close[0]}'?" if close else ""
-    from vllm_dualgpu.engine.preflight import PreflightError
+    return value
 
-    raise PreflightError(
-        f"Unknown --distributed-executor-backend '{value}'.{hint} Choose one of "
-        f"{', '.join(known)} ('{BACKEND_NAME}' and '{RAY_BACKEND_NAME}' come from vllm-dualgpu), or give a "
-        "module.Class path of an Executor subclass."
-    )
+
+def near_miss_hint(value: object) -> str | None:
+    """For a bare name vLLM refused that is close to one of ours, the line that names it."""
+    if not isinstance(value, str) or "." in value:
+        return None
+    close = difflib.get_close_matches(value, (BACKEND_NAME, RAY_BACKEND_NAME), n=1)
+    if not close:
+        return None
+    return (f"vllm-dualgpu: --distributed-executor-backend '{value}': did you mean '{close[0]}'? "
+            f"('{BACKEND_NAME}' and '{RAY_BACKEND_NAME}' come from vllm-dualgpu; the error below is vLLM's)")
 
 
 def remember_explicit_utilization(engine_args) -> None:
@@ -90,7 +91,17 @@ def wrap_create_engine_config(original: Callable) -> Callable:
         ours = name in OUR_EXECUTORS
         if ours:
             remember_explicit_utilization(self)
-        config = original(self, usage_context, headless)
+            config = original(self, usage_context, headless)
+        else:
+            try:
+                return original(self, usage_context, headless)
+            except Exception:
+                hint = near_miss_hint(self.distributed_executor_backend)
+                if hint:
+                    from vllm_dualgpu.log import logger
+
+                    logger.error("%s", hint)
+                raise
         if ours:
             try:
                 # On Ray the cards are the cluster's: the executor counts them on every node.
@@ -131,7 +142,7 @@ def wrap_create_engine_config_unsupported(original: Callable) -> Callable:
     @functools.wraps(original)
     def create_engine_config(self, usage_context=None, headless=False):
         backend = self.distributed_executor_backend
-        if backend in (BACKEND_NAME, RAY_BACKEND_NAME) or getattr(backend, "__name__", "") in OUR_EXECUTORS:
+        if backend in (BACKEND_NAME, RAY_BACKEND_NAME, *EXECUTOR_PATHS) or getattr(backend, "__name__", "") in OUR_EXECUTORS:
             from vllm_dualgpu.support import unsupported_reason
 
             reason = unsupported_reason()

@@ -17,7 +17,7 @@ import contextlib
 import functools
 from collections.abc import Callable
 
-from vllm_dualgpu.patches.spec_common import dualgpu_active, is_dualgpu_pp
+from vllm_dualgpu.patches.spec_common import is_dualgpu_pp, is_dualgpu_run
 
 
 def skips_tower_here(vllm_config) -> bool:
@@ -79,7 +79,7 @@ def declares_aux_relay(model) -> bool:
     qwen3_next = sys.modules.get(QWEN3_NEXT_MODULE)
     if qwen3_next is None or not isinstance(model, qwen3_next.Qwen3NextModel):
         return False
-    if not dualgpu_active():
+    if not is_dualgpu_run():
         return False
     from vllm_dualgpu.patches.qwen3_next import relay_forward_applied
 

@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable
 
 from vllm_dualgpu.patches.models_interfaces import QWEN3_NEXT_MODULE
-from vllm_dualgpu.patches.spec_common import dualgpu_active
+from vllm_dualgpu.patches.spec_common import is_dualgpu_run
 
 
 def wrap_set_aux_hidden_state_layers(original: Callable) -> Callable:
@@ -30,7 +30,7 @@ def wrap_set_aux_hidden_state_layers(original: Callable) -> Callable:
         qwen3_next = sys.modules.get(QWEN3_NEXT_MODULE)
         inner = getattr(self, "model", None)
         if (
-            not dualgpu_active()
+            not is_dualgpu_run()
             or qwen3_next is None
             or not isinstance(inner, qwen3_next.Qwen3NextModel)
         ):

@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from vllm_dualgpu.patches.spec_common import dualgpu_active
+from vllm_dualgpu.patches.spec_common import is_dualgpu_run
 
 CONTEXT_KV_LAYERS = "_vllm_dualgpu_context_kv_layers"
 """Attribute holding ``((qkv_proj, q_size), ...)`` when the quantized path is taken."""
@@ -43,7 +43,7 @@ def quantized_projection(proj) -> bool:
 def wrap_build_context_kv_buffers(original: Callable) -> Callable:
     @functools.wraps(original)
     def _build_context_kv_buffers(self, layers_attn, has_bias) -> None:
-        if not dualgpu_active() or not any(quantized_projection(a.qkv_proj) for a in layers_attn):
+        if not is_dualgpu_run() or not any(quantized_projection(a.qkv_proj) for a in layers_attn):
             self.__dict__.pop(CONTEXT_KV_LAYERS, None)
             return original(self, layers_attn, has_bias)
         # vLLM's buffers, except the fused KV weight and bias the quantized layers do not have.

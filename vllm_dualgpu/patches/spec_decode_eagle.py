@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from vllm_dualgpu.patches.spec_common import dualgpu_active
+from vllm_dualgpu.patches.spec_common import is_dualgpu_run
 
 
 def target_embedding(target_inner):
@@ -53,7 +53,7 @@ def wrap_maybe_share_target_embed(original: Callable) -> Callable:
     def maybe_share_target_embed(draft_model, draft_inner, target_inner) -> None:
         from vllm.distributed.parallel_state import get_pp_group
 
-        if not dualgpu_active():
+        if not is_dualgpu_run():
             return original(draft_model, draft_inner, target_inner)
         if keeps_own_beside_packed_target(draft_model, draft_inner, target_inner):
             return None

@@ -27,7 +27,7 @@ import sys
 from collections.abc import Callable
 
 from vllm_dualgpu import rank_summary
-from vllm_dualgpu.patches.spec_common import dualgpu_active
+from vllm_dualgpu.patches.spec_common import is_dualgpu_run
 
 # Module of the caller -> qualified name of the method that builds embed_tokens without
 # quant_config in vLLM 0.30.
@@ -73,7 +73,7 @@ def wrap_vocab_parallel_embedding_init(original: Callable) -> Callable:
             len(args) <= QUANT_CONFIG_INDEX  # neither quant_config nor prefix given by position
             and "quant_config" not in kwargs
             and kwargs.get("quant_method") is None  # a caller's own method is kept
-            and dualgpu_active()
+            and is_dualgpu_run()
         ):
             found = caller_quantization(sys._getframe(1))
         if found is not None:

@@ -20,6 +20,8 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from vllm_dualgpu.support import version_in_range  # noqa: F401  (the patching layer's name for it)
+
 SENTINEL = "__vllm_dualgpu_patch__"
 
 APPLIED, ALREADY, SKIPPED, FAILED = "applied", "already applied", "skipped", "failed"
@@ -165,14 +167,6 @@ def params_mismatch(target: str, func: Callable, expected: tuple[str, ...]) -> s
 def _load_factory(spec: str) -> Callable[[Callable], Callable]:
     mod, fn = spec.split(":", 1)
     return getattr(importlib.import_module(mod), fn)
-
-
-def version_in_range(version: str, spec: str) -> bool:
-    """Whether ``version`` matches the PEP 440 specifier ``spec``, or any of ``A || B``."""
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import Version
-
-    return any(Version(version) in SpecifierSet(part.strip()) for part in spec.split("||"))
 
 
 @dataclass

@@ -68,6 +68,9 @@ class Intervention:
     """``module:function`` taking the intervention and returning "" or why it does not hold,
     for what is not a Python attribute (a native symbol, a library's environment variable)."""
     issue: str = ""
+    requires: str = ""
+    """A package the checked vLLM module needs to import (``ray`` for vLLM's Ray executor):
+    where it is not installed the intervention is not applicable (NOT_HERE), not MISSING."""
 
     @property
     def check_target(self) -> str:
@@ -89,8 +92,14 @@ def check_intervention(item: Intervention, vllm_version: str) -> Finding:
     """Whether ``item``'s assumption holds for the installed vLLM; changes nothing.
 
     A release outside ``vllm_versions`` is MISSING whatever the check finds; the reason adds
-    what it found (what to port, or that the range can widen)."""
-    found = _check_target(item)
+    what it found (what to port, or that the range can widen). A check that raises is a
+    MISSING finding with the error: the same at a run's start as in ``doctor``."""
+    if item.requires and importlib.util.find_spec(item.requires) is None:
+        return Finding(item, NOT_HERE, f"not applicable: {item.requires.capitalize()} not installed")
+    try:
+        found = _check_target(item)
+    except Exception as exc:  # a module that fails to import in an unexpected way
+        return Finding(item, MISSING, f"check failed: {type(exc).__name__}: {exc}")
     if not version_in_range(vllm_version, item.vllm_versions):
         seen = found.reason if found.status != HOLDS else "its check passes, so the range may widen"
         return Finding(item, MISSING, f"checked for vLLM {item.vllm_versions}, not {vllm_version} "
@@ -104,9 +113,6 @@ def _check_target(item: Intervention) -> Finding:
         status, reason = getattr(importlib.import_module(module), fn)(item)
         return Finding(item, status, reason)
     target = item.check_target
-    if target.startswith("vllm.v1.executor.ray") and importlib.util.find_spec("ray") is None:
-        # vLLM's Ray executor modules do not import without Ray (a NameError on ObjectRef)
-        return Finding(item, NOT_HERE, "not applicable: Ray not installed")
     found = find_target(target)
     if isinstance(found, str):
         return Finding(item, MISSING, found)
@@ -149,10 +155,7 @@ def doctor_lines(vllm_version: str) -> tuple[list[str], list[Finding]]:
     findings = []
     here = for_release(vllm_version)
     for item in here:
-        try:
-            findings.append(check_intervention(item, vllm_version))
-        except Exception as exc:  # a module that fails to import in an unexpected way
-            findings.append(Finding(item, MISSING, f"check failed: {type(exc).__name__}: {exc}"))
+        findings.append(check_intervention(item, vllm_version))
     holding = [f.intervention.kind for f in findings if f.status == HOLDS]
     counts = ", ".join(f"{kind} {holding.count(kind)}" for kind in KINDS if kind in holding)
     lines = [
@@ -347,6 +350,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         source_names=("VLLM_RAY_BUNDLE_INDICES", "get_bundles_for_indices", "node_workers[node_id].index(i)",
                       "sorted(node_physical_gpu_ids[node_id])"),
         issue="#20",
+        requires="ray",
     ),
     Intervention(
         name="ray-placement-group-reused",
@@ -363,6 +367,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         remove_when="vLLM lets an executor plan between connecting to Ray and placing workers",
         source_names=("parallel_config.placement_group",),
         issue="#20",
+        requires="ray",
     ),
     Intervention(
         name="ray-node-gpu-order",

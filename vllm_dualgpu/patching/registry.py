@@ -36,8 +36,9 @@ PATCHES: tuple[Patch, ...] = (
             "Turns --distributed-executor-backend dualgpu into the DualGpuExecutor class (and "
             "dualgpu-ray into DualGpuRayExecutor, vLLM's Ray executor planned across machines) "
             "before vLLM validates it: EngineArgs._check_feature_supported rejects any other "
-            "string with PP > 1 and Executor.get_class cannot resolve a bare name. Misspelled "
-            "bare names get an error that lists the valid ones."
+            "string with PP > 1 and Executor.get_class cannot resolve a bare name. Every other "
+            "name goes to vLLM unchanged; when vLLM refuses one close to 'dualgpu', one ERROR "
+            "line names it."
         ),
         upstream="none (vLLM has no registry of executor names for plugins)",
         remove_when="vLLM lets plugins register executor backends by name",

@@ -19,7 +19,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
 from dataclasses import dataclass, field, replace
 
 from vllm_dualgpu.planner.errors import BadRequest, ContextTooLong, ModelDoesNotFit, PlanError
@@ -69,6 +68,9 @@ class PlanRequest:
     drafter_shares_embedding: bool = False
     decode_context_tokens: int | None = None
     kernel_block_alignment: int = DEFAULT_KERNEL_BLOCK_ALIGNMENT
+    allow_long_max_model_len: bool = False
+    """vLLM's ``VLLM_ALLOW_LONG_MAX_MODEL_LEN`` as the caller read it: a --max-model-len above
+    the model's maximum is then accepted (the planner reads no environment)."""
     memory: MemoryModel = field(default_factory=MemoryModel)
 
     def to_dict(self) -> dict:
@@ -233,7 +235,7 @@ class Fit:
     length that fits (on the split that reaches it). ``requested_max_model_len`` is the length
     asked for (the model's maximum when none was given; ``None`` for ``-1``/auto, which always
     fits); ``largest_max_model_len`` is the largest any split holds, capped at the model's
-    maximum unless ``VLLM_ALLOW_LONG_MAX_MODEL_LEN`` is set (for a pass-through plan, the first
+    maximum unless the request allows longer (``allow_long_max_model_len``; for a pass-through plan, the first
     GPU's informative estimate, and ``fits`` is True: vLLM runs as stock and decides).
     """
 
@@ -645,7 +647,7 @@ def fit(
     if max_len is not None and max_len != -1:
         if max_len < 1:
             raise BadRequest("--max-model-len must be positive (or -1 / auto)")
-        if max_len > model.max_position_embeddings and not allow_long_max_model_len():
+        if max_len > model.max_position_embeddings and not request.allow_long_max_model_len:
             raise BadRequest(
                 f"--max-model-len {max_len:,} is larger than the model's maximum "
                 f"({model.max_position_embeddings:,}); vLLM refuses it unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"
@@ -708,7 +710,7 @@ def fit(
             shortfalls=shorts,
         )
     # vLLM caps --max-model-len at the model's maximum unless VLLM_ALLOW_LONG_MAX_MODEL_LEN is set
-    cap = model.max_position_embeddings if not allow_long_max_model_len() else max(c.max_ctx for c in fitting)
+    cap = model.max_position_embeddings if not request.allow_long_max_model_len else max(c.max_ctx for c in fitting)
     best = max(fitting, key=lambda c: (min(c.max_ctx, cap), c.num_blocks))
     largest = min(best.max_ctx, cap)
     if target is not None:
@@ -753,12 +755,6 @@ def fit_stock(model: ModelSpec, gpus: list[GpuFacts], request: PlanRequest | Non
     p.passthrough = True
     p.request = request
     return f
-
-
-def allow_long_max_model_len() -> bool:
-    """vLLM's ``VLLM_ALLOW_LONG_MAX_MODEL_LEN`` (vllm/envs.py: '1' or 'true'): a --max-model-len
-    above the model's maximum is then accepted with a warning."""
-    return os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").strip().lower() in ("1", "true")
 
 
 def _make_plan(ctx: _Context, c: _Candidate, max_model_len: int, decode_tokens: int, overrides, notes, n, auto_fit) -> Plan:

@@ -15,6 +15,8 @@ the ``qwen3_5`` fixture (conftest.py) makes vLLM's Qwen3.5 classes load without 
 
 
 from __future__ import annotations
+
+import os
 import dataclasses
 import sys
 from types import SimpleNamespace
@@ -32,7 +34,7 @@ from vllm_dualgpu.patching.core import (
     revert_patch,
 )
 from vllm_dualgpu.patching.registry import PATCHES
-from vllm_dualgpu.process import ACTIVE_ENV
+from vllm_dualgpu import process
 
 
 RELAY, FLAG, LAYERS = "qwen3-next-aux-hidden-relay", "qwen3-next-aux-hidden-flag", "qwen3-5-aux-hidden-layers"
@@ -59,7 +61,7 @@ def patched(vllm_version, qwen3_5):
 
 @pytest.fixture
 def active(monkeypatch):
-    monkeypatch.setenv(ACTIVE_ENV, "1")
+    monkeypatch.setattr(process, "_worker_run", {"pid": os.getpid(), "run": True})
 
 
 @pytest.fixture

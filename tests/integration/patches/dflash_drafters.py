@@ -16,7 +16,6 @@ import torch
 from torch import nn
 from conftest import registry_patch
 from vllm_dualgpu.patching.core import ALREADY, APPLIED, apply_patch, revert_patch, version_in_range
-from vllm_dualgpu.process import ACTIVE_ENV
 
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, GROUP, LAYERS = 64, 4, 2, 32, 32, 2

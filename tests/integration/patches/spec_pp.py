@@ -6,6 +6,8 @@ reverting the patch) and the patched one, so each fails without its patch.
 
 
 from __future__ import annotations
+
+import os
 import functools
 import pickle
 import shutil
@@ -17,7 +19,7 @@ from torch import nn
 from conftest import apply_registry_patch, registry_patch
 from vllm_dualgpu.patching.registry import for_version
 from vllm_dualgpu.patching.core import ALREADY, APPLIED, SENTINEL, Patch, apply_patch, revert_patch
-from vllm_dualgpu.process import ACTIVE_ENV
+from vllm_dualgpu import process
 from pathlib import Path
 
 
@@ -43,7 +45,7 @@ def applied(vllm_version):
 
 @pytest.fixture
 def active(monkeypatch):
-    monkeypatch.setenv(ACTIVE_ENV, "1")
+    monkeypatch.setattr(process, "_worker_run", {"pid": os.getpid(), "run": True})
 
 
 @pytest.fixture(scope="module")

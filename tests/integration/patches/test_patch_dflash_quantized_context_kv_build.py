@@ -10,13 +10,15 @@ each by a plain PyTorch reference.
 
 
 from __future__ import annotations
+
+import os
 import types
 import pytest
 import torch
 from torch import nn
 from conftest import registry_patch
 from vllm_dualgpu.patching.core import ALREADY, APPLIED, apply_patch, revert_patch
-from vllm_dualgpu.process import ACTIVE_ENV
+from vllm_dualgpu import process
 from dflash_drafters import HEAD_DIM, HIDDEN, KV_HEADS, LAYERS, build_drafters, context_kv, kernels, patched  # noqa: F401  (shared fixtures and helpers)
 
 
@@ -26,7 +28,7 @@ def test_w4a16_drafter_context_kv(kernels, patched, monkeypatch, bias):
     quantized, reference = build_drafters(bias)
     states = torch.randn(5, HIDDEN)
     positions = torch.tensor([0, 1, 2, 7, 8])
-    monkeypatch.setenv(ACTIVE_ENV, "1")
+    monkeypatch.setattr(process, "_worker_run", {"pid": os.getpid(), "run": True})
     expected = context_kv(reference, states, positions)  # unquantized: vLLM's path
     assert reference._fused_kv_weight.shape == (LAYERS * 2 * KV_HEADS * HEAD_DIM, HIDDEN)
 

@@ -10,23 +10,25 @@ each by a plain PyTorch reference.
 
 
 from __future__ import annotations
+
+import os
 import types
 import pytest
 import torch
 from torch import nn
 from conftest import registry_patch
 from vllm_dualgpu.patching.core import ALREADY, APPLIED, apply_patch, revert_patch
-from vllm_dualgpu.process import ACTIVE_ENV
+from vllm_dualgpu import process
 from dflash_drafters import build_drafters, kernels, patched  # noqa: F401  (shared fixtures and helpers)
 
 
 def test_stock_without_dualgpu(kernels, patched, monkeypatch):
     quantized, reference = build_drafters(False)
-    monkeypatch.delenv(ACTIVE_ENV, raising=False)
+    monkeypatch.setattr(process, "_worker_run", {"pid": None, "run": False})
     with pytest.raises(AttributeError, match="weight"):
         quantized._build_fused_kv_buffers()
     # Unquantized drafters take vLLM's fused GEMM, also under dualgpu.
-    monkeypatch.setenv(ACTIVE_ENV, "1")
+    monkeypatch.setattr(process, "_worker_run", {"pid": os.getpid(), "run": True})
     reference._build_fused_kv_buffers()
     assert reference._fused_kv_weight is not None
     assert "_vllm_dualgpu_context_kv_layers" not in vars(reference)

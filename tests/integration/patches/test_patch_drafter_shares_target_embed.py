@@ -6,6 +6,8 @@ reverting the patch) and the patched one, so each fails without its patch.
 
 
 from __future__ import annotations
+
+import os
 import functools
 import pickle
 import shutil
@@ -16,7 +18,7 @@ import torch
 from torch import nn
 from conftest import apply_registry_patch, registry_patch
 from vllm_dualgpu.patching.core import ALREADY, APPLIED, SENTINEL, Patch, apply_patch, revert_patch
-from vllm_dualgpu.process import ACTIVE_ENV
+from vllm_dualgpu import process
 from pathlib import Path
 from spec_pp import active, applied, pp_group  # noqa: F401  (shared fixtures and helpers)
 
@@ -73,13 +75,13 @@ def test_drafter_embedding_stock_without_dualgpu_or_with_own_flag(applied, pp_gr
     applied("drafter-shares-target-embed")
     target_inner = nn.Module()
     target_inner.embed_tokens = nn.Embedding(32, 8)
-    monkeypatch.delenv(ACTIVE_ENV, raising=False)
+    monkeypatch.setattr(process, "_worker_run", {"pid": None, "run": False})
     draft = FakeDraft()
     own = draft.model.embed_tokens
     eagle_utils.maybe_share_target_embed(draft, draft.model, target_inner)
     assert draft.model.embed_tokens is own
     # A drafter that trained its own embedding keeps it under dualgpu too (vLLM's rule).
-    monkeypatch.setenv(ACTIVE_ENV, "1")
+    monkeypatch.setattr(process, "_worker_run", {"pid": os.getpid(), "run": True})
     trained = FakeDraft()
     trained.has_own_embed_tokens = True
     own = trained.model.embed_tokens
@@ -104,6 +106,6 @@ def test_drafter_with_own_table_beside_a_quantized_target(applied, active, pp_gr
         eagle_utils.maybe_share_target_embed.__wrapped__(drafter, drafter.model, target_inner)
     eagle_utils.maybe_share_target_embed(drafter, drafter.model, target_inner)
     assert drafter.model.embed_tokens is own
-    monkeypatch.delenv(ACTIVE_ENV, raising=False)  # other executors: vLLM's behaviour
+    monkeypatch.setattr(process, "_worker_run", {"pid": None, "run": False})  # other executors: vLLM's behaviour
     with pytest.raises(AttributeError, match="weight"):
         eagle_utils.maybe_share_target_embed(drafter, drafter.model, target_inner)

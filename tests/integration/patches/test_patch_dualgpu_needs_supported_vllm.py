@@ -18,8 +18,22 @@ def test_range_is_the_complement_of_the_supported_one():
     from vllm_dualgpu._version import SUPPORTED_VLLM
     from vllm_dualgpu.patching.core import version_in_range
 
-    for v in ("0.29.9", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.33.1", "0.34.0", "1.0.0"):
+    for v in ("0.29.9", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.33.1", "0.34.0", "1.0.0",
+              # pre-releases, development builds, post-releases and local builds
+              "0.30.0rc2", "0.34.0rc1", "0.34.0.dev3", "0.29.0rc1", "0.33.1.dev12+g0123abc",
+              "0.33.0.post1", "0.33.0+cu128", "0.34.0+cu128", "0.30.0.dev0"):
         assert version_in_range(v, entry(NAME).vllm_versions) != version_in_range(v, SUPPORTED_VLLM), v
+
+
+@pytest.mark.parametrize("version, supported", [
+    ("0.30.0rc2", False), ("0.34.0rc1", False), ("0.34.0.dev3", False), ("0.30.0", True),
+    ("0.33.1.dev12+g0123abc", True), ("0.33.0.post1", True), ("0.33.0+cu128", True),
+])
+def test_support_of_pre_dev_post_and_local_versions(version, supported):
+    from vllm_dualgpu import support
+
+    assert support.is_supported(version) is supported
+    assert (support.unsupported_reason(version) is None) is supported
 
 
 @pytest.fixture

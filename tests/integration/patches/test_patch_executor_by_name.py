@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import pickle
+from types import SimpleNamespace
 
 import pytest
 
@@ -56,9 +57,49 @@ def test_mp_is_unchanged(engine_args_cls, tiny_model_dir):
     assert cfg.parallel_config.distributed_executor_backend == "mp"
 
 
-def test_misspelled_name_is_a_clear_error(engine_args_cls, tiny_model_dir):
-    with pytest.raises(ValueError, match=r"Unknown --distributed-executor-backend 'dualgpus'.*Did you mean 'dualgpu'"):
+def test_misspelled_name_gets_vllms_answer_and_a_hint(engine_args_cls, tiny_model_dir, caplog):
+    """A name close to ours is vLLM's to refuse (its own error, unchanged); the plugin adds one
+    line naming the backend it may have meant."""
+    import logging
+
+    caplog.set_level(logging.ERROR, logger="vllm.dualgpu")
+    logging.getLogger("vllm.dualgpu").propagate = True
+    with pytest.raises(NotImplementedError, match="Pipeline Parallelism"):
         make_config(engine_args_cls, tiny_model_dir, "dualgpus")
+    assert "--distributed-executor-backend 'dualgpus': did you mean 'dualgpu'?" in caplog.text
+
+
+def test_a_name_vllm_adds_later_reaches_vllm_unchanged():
+    """Only 'dualgpu' and 'dualgpu-ray' are the plugin's: any other bare name is passed to
+    vLLM's own create_engine_config and its answer returned (here a release that knows the
+    name 'hpu_pool', which no supported vLLM has)."""
+    from vllm_dualgpu.patches.arg_utils import wrap_create_engine_config
+
+    seen = []
+
+    def vllm_of_later(self, usage_context=None, headless=False):
+        seen.append(self.distributed_executor_backend)
+        return "vLLM's config"
+
+    args = SimpleNamespace(distributed_executor_backend="hpu_pool")
+    assert wrap_create_engine_config(vllm_of_later)(args) == "vLLM's config"
+    assert seen == ["hpu_pool"]
+
+
+@pytest.mark.parametrize("name", ["future_backend", "dualgpus"])
+def test_other_names_fail_as_in_stock_vllm(engine_args_cls, tiny_model_dir, name):
+    """vLLM's own refusal of an unknown name, the same with the plugin as without it."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    stock = getattr(EngineArgs.create_engine_config, "__wrapped__")
+    args = dict(model=str(tiny_model_dir), load_format="dummy", skip_tokenizer_init=True,
+                pipeline_parallel_size=2, distributed_executor_backend=name)
+    with pytest.raises(Exception) as without:
+        stock(engine_args_cls(**args))
+    with pytest.raises(Exception) as with_plugin:
+        engine_args_cls(**args).create_engine_config()
+    assert type(with_plugin.value) is type(without.value)
+    assert str(with_plugin.value) == str(without.value)
 
 
 def test_without_plugin_stock_vllm_refuses_the_name(engine_args_cls, tiny_model_dir):
@@ -114,9 +155,14 @@ def test_front_end_does_not_count_the_local_gpus_for_ray(engine_args_cls, tiny_m
         make_config(engine_args_cls, tiny_model_dir, "dualgpu", pp=4)
 
 
-def test_misspelled_ray_name_is_a_clear_error(engine_args_cls, tiny_model_dir):
-    with pytest.raises(ValueError, match=r"Unknown --distributed-executor-backend 'dualgpu-rya'.*Did you mean 'dualgpu-ray'"):
+def test_misspelled_ray_name_gets_a_hint(engine_args_cls, tiny_model_dir, caplog):
+    import logging
+
+    caplog.set_level(logging.ERROR, logger="vllm.dualgpu")
+    logging.getLogger("vllm.dualgpu").propagate = True
+    with pytest.raises(NotImplementedError):
         make_config(engine_args_cls, tiny_model_dir, "dualgpu-rya")
+    assert "'dualgpu-rya': did you mean 'dualgpu-ray'?" in caplog.text
 
 
 def test_dualgpu_ray_without_ray_says_what_to_install(engine_args_cls, tiny_model_dir, monkeypatch):
@@ -124,3 +170,19 @@ def test_dualgpu_ray_without_ray_says_what_to_install(engine_args_cls, tiny_mode
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
     with pytest.raises(ValueError, match=r"dualgpu-ray runs on Ray, which is not installed: pip install 'vllm-dualgpu\[ray\]'"):
         make_config(engine_args_cls, tiny_model_dir, "dualgpu-ray")
+
+
+@pytest.mark.parametrize("path", ["vllm_dualgpu.executor.DualGpuExecutor",
+                                  "vllm_dualgpu.engine.executor.DualGpuExecutor"])
+def test_the_public_class_path_selects_the_executor(engine_args_cls, tiny_model_dir, path):
+    """``--distributed-executor-backend vllm_dualgpu.executor.DualGpuExecutor`` (vLLM's
+    module.Class form) is the same executor as the bare name, with PP > 1 too."""
+    from vllm.v1.executor.abstract import Executor
+
+    import vllm_dualgpu.executor
+    from vllm_dualgpu.engine.executor import DualGpuExecutor
+
+    assert vllm_dualgpu.executor.DualGpuExecutor is DualGpuExecutor
+    cfg = make_config(engine_args_cls, tiny_model_dir, path)
+    assert cfg.parallel_config.distributed_executor_backend is DualGpuExecutor
+    assert Executor.get_class(cfg) is DualGpuExecutor

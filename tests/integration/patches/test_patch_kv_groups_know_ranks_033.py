@@ -1,6 +1,6 @@
 """kv-groups-know-ranks-033 (vLLM 0.33, kv_cache_planning.py). The grouping and page behaviour is tested on the
-installed vLLM through the entry in range by tests/test_spec_decode_pp.py (KV groups) and
-tests/test_spec_kv_pages.py (drafter pages); here: this entry's checks on the installed vLLM."""
+installed vLLM through the entry in range by tests/integration/patches/test_patch_kv_groups_without_padding.py (KV groups) and
+tests/integration/patches/test_patch_kv_drafter_pages_promoted.py (drafter pages); here: this entry's checks on the installed vLLM."""
 
 from __future__ import annotations
 

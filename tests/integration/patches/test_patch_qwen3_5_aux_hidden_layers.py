@@ -4,6 +4,8 @@ docstring of tests/integration/patches/aux_relay.py, which holds the shared fixt
 
 
 from __future__ import annotations
+
+import os
 import dataclasses
 import sys
 from types import SimpleNamespace
@@ -21,7 +23,7 @@ from vllm_dualgpu.patching.core import (
     revert_patch,
 )
 from vllm_dualgpu.patching.registry import PATCHES
-from vllm_dualgpu.process import ACTIVE_ENV
+from vllm_dualgpu import process
 from aux_relay import AUX_LAYERS, FLAG, LAYERS, NUM_LAYERS, RELAY, accept_under_pp, active, causal_lm, decoder, patched, stage  # noqa: F401  (shared fixtures and helpers)
 
 
@@ -45,7 +47,7 @@ def test_any_missing_piece_leaves_vllms_refusal(vllm_version, qwen3_5, active, s
 
 
 def test_other_executors_keep_vllms_refusal(patched, stage, monkeypatch, qwen3_5):
-    monkeypatch.delenv(ACTIVE_ENV, raising=False)
+    monkeypatch.setattr(process, "_worker_run", {"pid": None, "run": False})
     stage(1, 2)
     inner = decoder(qwen3_5.Qwen3_5Model, 2, NUM_LAYERS)
     with pytest.raises(ValueError, match="does not support eagle3"):

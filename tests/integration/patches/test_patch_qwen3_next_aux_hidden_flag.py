@@ -21,7 +21,6 @@ from vllm_dualgpu.patching.core import (
     revert_patch,
 )
 from vllm_dualgpu.patching.registry import PATCHES
-from vllm_dualgpu.process import ACTIVE_ENV
 from aux_relay import FLAG, LAYERS, NUM_LAYERS, RELAY, accept_under_pp, active, causal_lm, decoder, patched, stage  # noqa: F401  (shared fixtures and helpers)
 
 

@@ -21,7 +21,6 @@ from vllm_dualgpu.patching.core import (
     revert_patch,
 )
 from vllm_dualgpu.patching.registry import PATCHES
-from vllm_dualgpu.process import ACTIVE_ENV
 from aux_relay import AUX_LAYERS, FLAG, INPUT_IDS, LAYERS, NUM_LAYERS, POSITIONS, RELAY, active, causal_lm, decoder, patched, run, stage  # noqa: F401  (shared fixtures and helpers)
 
 

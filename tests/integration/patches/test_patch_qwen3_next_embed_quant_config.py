@@ -10,6 +10,8 @@ layer (Qwen3.5 builds ``embed_tokens`` on every stage), so no Gated DeltaNet ker
 
 from __future__ import annotations
 
+import os
+
 from types import SimpleNamespace
 
 import pytest
@@ -17,7 +19,7 @@ import torch
 
 from vllm_dualgpu.patching.core import ALREADY, APPLIED, apply_patch, revert_patch
 from vllm_dualgpu.patching.registry import for_version
-from vllm_dualgpu.process import ACTIVE_ENV
+from vllm_dualgpu import process
 
 NAME = "qwen3-next-embed-quant-config"
 VOCAB, HIDDEN, GROUP = 8192, 1024, 128
@@ -99,7 +101,7 @@ def packed_checkpoint(prefix: str, seed: int = 0) -> dict[str, torch.Tensor]:
 
 @pytest.fixture
 def active(monkeypatch):
-    monkeypatch.setenv(ACTIVE_ENV, "1")
+    monkeypatch.setattr(process, "_worker_run", {"pid": os.getpid(), "run": True})
 
 
 def test_stock_builds_a_dense_table_for_a_quantized_embedding(vllm_version, build, qwen3_5, active):
@@ -159,7 +161,7 @@ def test_stock_cannot_load_the_quantized_checkpoint(build, qwen3_5, active, vllm
 
 
 def test_other_executors_keep_vllms_dense_table(patched, build, qwen3_5, monkeypatch):
-    monkeypatch.delenv(ACTIVE_ENV, raising=False)
+    monkeypatch.setattr(process, "_worker_run", {"pid": None, "run": False})
     model = build(qwen3_5.Qwen3_5Model, "model", backend="mp")
     assert params(model) == {"weight"}
 

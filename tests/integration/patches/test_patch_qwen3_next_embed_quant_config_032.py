@@ -1,5 +1,5 @@
 """qwen3-next-embed-quant-config-032 (vLLM 0.32+, where __init__ takes reduce_results). The
-behaviour is tested on the installed vLLM by tests/test_embed_quant_config.py through the entry
+behaviour is tested on the installed vLLM by tests/integration/patches/test_patch_qwen3_next_embed_quant_config.py through the entry
 in range; here: this entry's checks on the installed vLLM."""
 
 from __future__ import annotations

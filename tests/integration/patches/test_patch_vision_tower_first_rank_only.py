@@ -17,7 +17,6 @@ from torch import nn
 from conftest import apply_registry_patch, registry_patch
 from vllm_dualgpu.patching.registry import for_version
 from vllm_dualgpu.patching.core import ALREADY, APPLIED, SENTINEL, Patch, apply_patch, revert_patch
-from vllm_dualgpu.process import ACTIVE_ENV
 from pathlib import Path
 from spec_pp import applied, pp_configs  # noqa: F401  (shared fixtures and helpers)
 

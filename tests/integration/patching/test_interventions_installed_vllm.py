@@ -25,6 +25,8 @@ def _dsl_installed() -> bool:
 
 @pytest.mark.parametrize("item", INTERVENTIONS, ids=lambda i: i.name)
 def test_intervention_holds_for_the_installed_vllm(item):
+    if item.requires and importlib.util.find_spec(item.requires) is None:
+        pytest.skip(f"{item.requires.capitalize()} not installed")
     found = check_intervention(item, VERSION)
     if version_in_range(VERSION, item.vllm_versions):
         if item.name == "cute-dsl-arch" and not _dsl_installed():
@@ -98,3 +100,18 @@ def test_doctor_fails_with_gpus_when_an_intervention_does_not_hold(monkeypatch):
     lines, status = doctor.report()
     assert status == 1
     assert any(line.split()[:2] == ["missing", "bad"] and "WorkerX" in line for line in lines)
+
+
+def test_doctor_without_ray_says_not_applicable(monkeypatch):
+    """On a machine without Ray, vLLM's Ray executor module does not import: doctor reports the
+    Ray interventions as not applicable, not as a failed check."""
+    from vllm_dualgpu.patching.interventions import doctor_lines
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
+    lines, findings = doctor_lines(VERSION)
+    ray_items = [f for f in findings if f.intervention.requires == "ray"]
+    assert [f.intervention.name for f in ray_items] == ["ray-bundle-indices", "ray-placement-group-reused"]
+    assert all(f.status == iv.NOT_HERE for f in ray_items)
+    assert all(f.reason == "not applicable: Ray not installed" for f in ray_items)
+    assert not any("check failed" in line for line in lines)

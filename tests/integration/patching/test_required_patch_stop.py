@@ -16,7 +16,7 @@ from vllm_dualgpu import plugin
 from vllm_dualgpu.patching import interventions as iv
 from vllm_dualgpu.patching import registry
 from vllm_dualgpu.patching.core import SKIPPED, Patch
-from vllm_dualgpu.process import ENGINE
+from vllm_dualgpu.process import DEVICE, ENGINE, WORKER
 
 VERSION = importlib.metadata.version("vllm")
 
@@ -140,3 +140,44 @@ def test_the_executor_stops_before_planning_on_a_skipped_required_patch(monkeypa
     with pytest.raises(plugin.StartupRefused, match="required patch test-wrong-params"):
         ex._init_executor()
     assert planned == []
+
+
+@pytest.mark.parametrize("kind", [WORKER, DEVICE])
+def test_a_worker_process_of_a_dualgpu_run_stops_on_a_skipped_required_patch(monkeypatch, kind):
+    """In a worker (or its device phase) register() ran first, outside any notion of the run
+    (nothing tells a fresh worker process which executor drives it): the dualgpu worker's own
+    ensure_for_dualgpu still applies and checks the required patches of its kind."""
+    monkeypatch.setattr(registry, "PATCHES", (replace(WRONG, processes=(kind,)),))
+    plugin.ensure(frozenset({kind}))  # register() in that process: applies nothing there
+    with pytest.raises(plugin.StartupRefused, match="required patch test-wrong-params"):
+        plugin.ensure_for_dualgpu(frozenset({kind}))
+
+
+def test_a_required_patch_of_the_kind_that_never_ran_is_a_problem(monkeypatch):
+    """The required set comes from the registry, the installed vLLM and the process kind, not
+    from the outcomes: no outcome at all for a required patch is not a pass."""
+    monkeypatch.setattr(registry, "PATCHES", (replace(WRONG, processes=(WORKER,)),))
+    problems = plugin.startup_problems(frozenset({WORKER}), [])
+    assert problems == ["required patch test-wrong-params was not applied in this process"]
+
+
+def test_a_kind_counts_as_done_only_after_it_succeeded(monkeypatch):
+    """An exception part-way leaves the kind to be applied again, not marked done with nothing
+    applied and nothing reported."""
+    from vllm_dualgpu.patching import core
+
+    monkeypatch.setattr(registry, "PATCHES", (replace(WRONG, optional=True),))
+    real = core.apply_patch
+    calls = []
+
+    def fails_once(patch, version):
+        calls.append(patch.name)
+        if len(calls) == 1:
+            raise RuntimeError("interrupted")
+        return real(patch, version)
+
+    monkeypatch.setattr(plugin, "apply_patch", fails_once)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        plugin.ensure(frozenset({ENGINE}))
+    outcomes = plugin.ensure(frozenset({ENGINE}))
+    assert [(o.patch.name, o.status) for o in outcomes] == [("test-wrong-params", SKIPPED)]

@@ -181,9 +181,18 @@ def test_doctor_fails_when_the_extension_is_missing(monkeypatch, capsys):
     import vllm_dualgpu.nvml
 
     monkeypatch.setattr(vllm_dualgpu.nvml, "read_visible_gpus", no_nvml)
+    # Without GPUs doctor exits 1 anyway: the Result line must name the extension as a reason,
+    # and only when it is missing.
+    main(["doctor"])
+    result = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Result:")]
+    assert len(result) == 1 and "extension" not in result[0]
     monkeypatch.setitem(sys.modules, "vllm_dualgpu._C", None)
     assert main(["doctor"]) == 1
-    assert "Native extension: NOT importable" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "Native extension: NOT importable" in out
+    result = [line for line in out.splitlines() if line.startswith("Result:")]
+    assert len(result) == 1 and result[0].startswith("Result: the dualgpu path cannot work here (")
+    assert "extension" in result[0].split("(", 1)[1]
 
 
 def test_doctor_fails_when_a_required_patch_cannot_apply_on_a_gpu_machine(monkeypatch, capsys):

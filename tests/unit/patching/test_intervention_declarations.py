@@ -6,6 +6,7 @@ in tests/integration/patching/test_interventions_installed_vllm.py).
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -177,3 +178,26 @@ def test_cute_dsl_probe_reads_the_dsl_source(tmp_path, monkeypatch):
 def test_probes_load(item):
     module, fn = item.probe.split(":", 1)
     assert callable(getattr(__import__(module, fromlist=[fn]), fn))
+
+
+def test_a_check_that_raises_is_a_finding_at_start_as_in_doctor():
+    """check_all (a dualgpu run's start) and doctor_lines give the same verdict for a check
+    that raises: MISSING with the error, never the exception escaping one of them."""
+    broken = _item(name="broken", probe="json:loads")  # json.loads(item) raises TypeError
+    found = check_all("0.30.0", None, (broken,))
+    assert [(f.status, f.reason.split(":")[0]) for f in found] == [(MISSING, "check failed")]
+    assert "TypeError" in found[0].reason
+
+
+def test_an_intervention_on_a_library_that_is_absent_is_not_applicable(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "ray" else real(name, *a))
+    found = check_intervention(_item(requires="ray", target="json:gone"), "0.30.0")
+    assert (found.status, found.reason) == (iv.NOT_HERE, "not applicable: Ray not installed")
+
+
+def test_every_intervention_on_vllms_ray_modules_requires_ray():
+    for i in INTERVENTIONS:
+        on_ray = i.check_target.split(":")[0].startswith(("vllm.v1.executor.ray", "ray"))
+        assert (i.requires == "ray") == on_ray, i.name

@@ -180,3 +180,13 @@ def test_reference_on_the_reference_pair_with_model_dtype_kv():
     assert not past.fits and past.largest_max_model_len == largest
     # fp8 halves the KV bytes per token: the same request then fits (the bundled table's case).
     assert fit(model, reference_pair(), dataclasses.replace(request, kv_cache_dtype="fp8")).fits
+
+
+def test_a_longer_context_than_the_model_is_the_requests_choice_not_the_environments(tiny, monkeypatch):
+    """The planner reads its inputs, never the environment: VLLM_ALLOW_LONG_MAX_MODEL_LEN in
+    os.environ changes nothing; the request's allow_long_max_model_len does."""
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    with pytest.raises(BadRequest, match="larger than the model's maximum"):
+        fit(tiny, pair(), req(max_model_len=5000))
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN")
+    assert fit(tiny, pair(), req(max_model_len=5000, allow_long_max_model_len=True)).requested_max_model_len == 5000

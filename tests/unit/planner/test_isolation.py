@@ -33,3 +33,19 @@ def test_planner_and_cli_plan_import_nothing_heavy(tmp_path):
 
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res == {"heavy": [], "rc": [0, 0]}
+
+
+def test_the_planner_reads_no_environment():
+    """The planner takes inputs: no module of vllm_dualgpu/planner reads os.environ or getenv
+    (what vLLM or the user set reaches it through PlanRequest and GpuFacts)."""
+    import ast
+    from pathlib import Path
+
+    import vllm_dualgpu.planner
+
+    readers = []
+    for path in sorted(Path(vllm_dualgpu.planner.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "environb"):
+                readers.append(f"{path.name}:{node.lineno}")
+    assert readers == []

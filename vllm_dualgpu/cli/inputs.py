@@ -1,0 +1,57 @@
+"""What ``plan`` and ``plan --fleet`` (cli/topology.py) both read: a model's config.json and the
+reserves the executor would keep on each card. Below both commands, so neither imports the other
+for it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+
+class UsageError(Exception):
+    """A usage problem: print the message and exit 2."""
+
+
+def read_config(model: str) -> tuple[dict, str]:
+    path = Path(model).expanduser()
+    if path.is_dir():
+        cfg = path / "config.json"
+    elif path.is_file():
+        cfg = path
+    else:
+        cfg = None
+        if re.fullmatch(r"[\w.-]+/[\w.-]+", model):  # a Hub id: look in the local Hugging Face cache
+            home = Path(os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME", "~/.cache/huggingface")) / "hub")
+            snaps = sorted((home.expanduser() / f"models--{model.replace('/', '--')}" / "snapshots").glob("*/config.json"))
+            if snaps:
+                cfg = snaps[-1]
+        if cfg is None:
+            raise UsageError(
+                f"cannot find {model!r}: give a local model directory with config.json (plan does not "
+                "download anything)"
+            )
+    if not cfg.is_file():
+        raise UsageError(f"{path} has no config.json")
+    try:
+        return json.loads(cfg.read_text()), str(cfg)
+    except (OSError, json.JSONDecodeError) as e:
+        raise UsageError(f"cannot read {cfg}: {e}") from None
+
+
+def with_default_reserves(gpus, spec: str | None):
+    """GPUs whose --gpus entry names no reserve= get what the executor would keep free on them:
+    VLLM_DUALGPU_RESERVE, else its default (1 GiB a card)."""
+    from dataclasses import replace
+
+    from vllm_dualgpu import envs
+
+    try:
+        defaults = envs.parse_reserve(os.environ.get(envs.RESERVE), len(gpus))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    entries = spec.split(",") if spec else [""] * len(gpus)
+    return [g if "reserve=" in entry else replace(g, reserve_bytes=r)
+            for g, entry, r in zip(gpus, entries, defaults)]
