@@ -37,7 +37,7 @@ def select_patches(kinds: frozenset[str], active: bool):
 
 def ensure_virtual_gpus() -> list[Outcome]:
     """The virtual-GPU emulation's patches (``Patch.when == "virtual-gpus"``), in a worker whose
-    hand-off gives it a virtual card (vllm_dualgpu.patches.virtual_gpus.activate). Idempotent; a
+    hand-off gives it a virtual card (vllm_dualgpu.engine.virtual_card.activate). Idempotent; a
     skipped one refuses the run (:class:`StartupRefused`): an emulation that half applies would
     measure the physical GPU and call it the card."""
     from vllm_dualgpu.patching.registry import PATCHES, VIRTUAL_GPUS

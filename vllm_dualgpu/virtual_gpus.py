@@ -9,7 +9,7 @@ can run that capability's kernels) and is held to it (docs/virtual-gpus.md). Off
 variable is set; meant for tests and benchmarks on one large GPU, not for serving.
 
 This module is pure (no torch, no vLLM): the parsing and the facts. The worker side is
-:mod:`vllm_dualgpu.patches.virtual_gpus`.
+:mod:`vllm_dualgpu.engine.virtual_card`.
 """
 
 from __future__ import annotations

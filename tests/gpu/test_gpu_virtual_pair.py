@@ -21,7 +21,7 @@ def hold_and_overflow(_llm) -> dict:
     """In a fresh process: become a 16 GiB virtual card, then allocate within and past it."""
     import torch
 
-    from vllm_dualgpu.patches import virtual_gpus as vg
+    from vllm_dualgpu.engine import virtual_card as vg
     from vllm_dualgpu.virtual_gpus import VirtualCard
 
     torch.cuda.init()

@@ -20,7 +20,7 @@ LAYERS = [
     {"vllm_dualgpu", "vllm_dualgpu._version", "vllm_dualgpu.log", "vllm_dualgpu.process",
      "vllm_dualgpu.support", "vllm_dualgpu.rank_summary"},
     {"vllm_dualgpu.planner"},
-    {"vllm_dualgpu.envs", "vllm_dualgpu.nvml"},
+    {"vllm_dualgpu.envs", "vllm_dualgpu.nvml", "vllm_dualgpu.virtual_gpus"},
     {"vllm_dualgpu.kernels"},
     # plugin.py applies the registry in this process (and is vLLM's entry point): the engine
     # calls it to make sure its own process is patched.

@@ -201,7 +201,7 @@ def _settings(vllm_config) -> dict:
 def _virtual_ranks(pc, cards) -> None:
     """Every rank on the one physical GPU: vLLM's custom all-reduce (CUDA IPC between distinct
     GPUs) is off for TP stages, NCCL (its socket transport between the ranks' own host ids,
-    patches/virtual_gpus.activate) carries everything."""
+    engine/virtual_card.activate) carries everything."""
     if pc.tensor_parallel_size > 1 and not pc.disable_custom_all_reduce:
         pc.disable_custom_all_reduce = True
     for rank, c in enumerate(cards):

@@ -19,7 +19,7 @@ from vllm.v1.worker.gpu_worker import Worker
 from vllm_dualgpu import envs, plugin
 from vllm_dualgpu import rank_summary
 from vllm_dualgpu.engine import handoff
-from vllm_dualgpu.patches import virtual_gpus
+from vllm_dualgpu.engine import virtual_card
 from vllm_dualgpu.log import logger
 from vllm_dualgpu.planner.gpus import rank_budget
 from vllm_dualgpu.process import DEVICE, WORKER, note_worker_config
@@ -99,12 +99,12 @@ def _activate_virtual_card(vllm_config, rank: int):
     record = plan.rank(rank) if plan else None
     card = record.virtual_card if record else None
     if card is not None:
-        virtual_gpus.activate(card, rank)
+        virtual_card.activate(card, rank)
     return card
 
 
 def _virtual_note(card, device) -> str:
-    cap = virtual_gpus.hold_to_card(device)
+    cap = virtual_card.hold_to_card(device)
     return f"{card.describe()}; NCCL host id {os.environ.get('NCCL_HOSTID')}; torch held to {_gib(cap)}"
 
 
@@ -179,7 +179,7 @@ class DualGpuWorker(Worker):
     def determine_available_memory(self) -> int:
         self._warm_pp_communicators()
         if getattr(self, "_virtual_card", None) is not None:
-            virtual_gpus.hold_to_card(self.device)  # NCCL's buffers now count outside torch
+            virtual_card.hold_to_card(self.device)  # NCCL's buffers now count outside torch
         available = super().determine_available_memory()
         record = getattr(self, "_dualgpu_rank", None)
         predicted = record.predicted_non_kv_bytes if record else None
@@ -290,7 +290,7 @@ class DualGpuWorker(Worker):
 
     def _log_summary(self) -> None:
         if getattr(self, "_virtual_card", None) is not None:
-            cap = virtual_gpus.hold_to_card(self.device)
+            cap = virtual_card.hold_to_card(self.device)
             rank_summary.note("held to", f"{_gib(cap)} for torch (the card's free memory less "
                                          "what the process holds outside torch)")
         free, total = torch.cuda.mem_get_info(self.device)

@@ -750,7 +750,7 @@ PATCHES: tuple[Patch, ...] = (
     ),
     # --- virtual GPUs: an emulation for tests, applied only where asked (issue #23) ---
     # VLLM_DUALGPU_VIRTUAL_GPUS gives each rank a virtual card on one physical GPU; a worker
-    # whose hand-off carries such a card applies these (patches/virtual_gpus.activate), no
+    # whose hand-off carries such a card applies these (engine/virtual_card.activate), no
     # other process ever does. docs/virtual-gpus.md.
     *(
         Patch(
@@ -761,7 +761,7 @@ PATCHES: tuple[Patch, ...] = (
             why=why,
             upstream="none (an emulation for tests: several cards on one GPU)",
             remove_when="tests of mismatched pairs run on real pairs",
-            factory=f"vllm_dualgpu.patches.virtual_gpus:{factory}",
+            factory=f"vllm_dualgpu.engine.virtual_card:{factory}",
             params=params,
             issue="#23",
             when=VIRTUAL_GPUS,

@@ -10,11 +10,11 @@ import os
 import pytest
 
 from vllm_dualgpu import plugin
-from vllm_dualgpu.patches import virtual_gpus as vg
+from vllm_dualgpu.engine import virtual_card as vg
 from vllm_dualgpu.patching import registry
 from vllm_dualgpu.patching.core import APPLIED, revert_patch
 from vllm_dualgpu.process import DEVICE, ENGINE, FRONTEND, WORKER
-from virtual_card import CARD, GiB, VIRTUAL, emulation  # noqa: F401  (fixtures)
+from virtual_card_fakes import CARD, GiB, VIRTUAL, emulation  # noqa: F401  (fixtures)
 from platform_fakes import GPUS, cuda, platforms  # noqa: F401  (shared fixtures)
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 
-from virtual_card import CARD, GiB, VIRTUAL, emulation  # noqa: F401  (fixtures)
+from virtual_card_fakes import CARD, GiB, VIRTUAL, emulation  # noqa: F401  (fixtures)
 from platform_fakes import GPUS, cuda, platforms  # noqa: F401  (shared fixtures)
 
 

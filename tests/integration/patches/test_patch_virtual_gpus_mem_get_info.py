@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
-from vllm_dualgpu.patches import virtual_gpus as vg
-from virtual_card import CARD, GiB, VIRTUAL, emulation  # noqa: F401  (fixtures)
+from vllm_dualgpu.engine import virtual_card as vg
+from virtual_card_fakes import CARD, GiB, VIRTUAL, emulation  # noqa: F401  (fixtures)
 from platform_fakes import GPUS, cuda, platforms  # noqa: F401  (shared fixtures)
 
 

@@ -1,5 +1,5 @@
 """Shared by the virtual-gpus-* entries' tests (imported by name): a rank's process after
-``patches.virtual_gpus.activate`` on vLLM's real platform code (platform_fakes: NVML and
+``engine.virtual_card.activate`` on vLLM's real platform code (platform_fakes: NVML and
 torch.cuda faked), with NVML's per-process memory faked, reverted afterwards."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from vllm_dualgpu import plugin
-from vllm_dualgpu.patches import virtual_gpus as vg
+from vllm_dualgpu.engine import virtual_card as vg
 from vllm_dualgpu.patching import registry
 from vllm_dualgpu.patching.core import APPLIED, revert_patch
 from vllm_dualgpu.process import DEVICE, ENGINE, FRONTEND, WORKER
