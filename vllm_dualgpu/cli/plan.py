@@ -112,7 +112,7 @@ def add_parser(sub) -> None:
     p.add_argument("--kv-cache-memory-bytes", type=_human_int)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="for the stock-vLLM comparison")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                   help="default: on, as vLLM for these models")
+                   help="default: on")
     p.add_argument("--mamba-cache-dtype", default="auto")
     p.add_argument("--mamba-ssm-cache-dtype", default="auto")
     p.add_argument("--mamba-cache-mode", default=None, choices=("none", "align", "all"))
