@@ -18,9 +18,15 @@ def test_parse_size(text, expected):
     assert envs.parse_size(text) == expected == planner_parse_size(text)
 
 
-@pytest.mark.parametrize("text", ["", "abc", "1.5XB", "-1GiB", "1,5GiB"])
+@pytest.mark.parametrize("text", ["", "abc", "1.5XB", "1,5GiB", "--1GiB"])
 def test_parse_size_rejects(text):
     with pytest.raises(ValueError, match="cannot read"):
+        envs.parse_size(text, what="VLLM_DUALGPU_RESERVE")
+
+
+@pytest.mark.parametrize("text", ["-1GiB", " -512MiB", "-0.5"])
+def test_parse_size_says_a_negative_size_is_negative(text):
+    with pytest.raises(ValueError, match=f"VLLM_DUALGPU_RESERVE: {text!r} is negative"):
         envs.parse_size(text, what="VLLM_DUALGPU_RESERVE")
 
 

@@ -1,17 +1,17 @@
-"""docs/recipes.md: each recipe's ``vllm serve`` command, run through ``plan`` on the cards it
-names, gives the plan the recipe states (its "Plan:" line), so a changed planner or a changed
+"""docs/recipes.md: each recipe's ``vllm serve`` command, run by bash as printed (MODELS set to
+stand-in checkpoint folders, ``vllm serve`` standing for ``vllm-dualgpu plan`` on the cards the
+recipe names), gives the plan the recipe states (its "Plan:" line), so a changed planner or a changed
 doc fails here. ``python tests/unit/test_recipes.py`` prints each recipe's line as the planner
 computes it now (to update the doc after a planner change, checking every number that moved).
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import re
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -24,7 +24,8 @@ GIB = 1 << 30
 
 
 def recipes(text: str | None = None) -> list[dict]:
-    """Each '### ' section with a ```bash block: its title, command, plan arguments and Plan: line."""
+    """Each '### ' section with a ```bash block: its title, the block as printed, plan arguments
+    and Plan: line."""
     text = DOC.read_text() if text is None else text
     out = []
     for section in text.split("\n### ")[1:]:
@@ -32,10 +33,10 @@ def recipes(text: str | None = None) -> list[dict]:
         m = re.search(r"```bash\n(.*?)```", section, re.S)
         if not m:
             continue
-        command = m.group(1).replace("\\\n", " ")
         planned = re.search(r"^Planned with: `([^`]*)`", section, re.M)
         line = re.search(r"^Plan: (.*)$", section, re.M)
-        out.append({"title": title, "command": " ".join(command.split()),
+        out.append({"title": title, "script": m.group(1),
+                    "command": " ".join(m.group(1).replace("\\\n", " ").split()),
                     "plan_args": planned.group(1) if planned else None,
                     "plan_line": line.group(1).strip() if line else None})
     return out
@@ -57,31 +58,31 @@ def model_root(tmp: Path) -> Path:
     return tmp
 
 
-def plan_of(recipe: dict, models: Path) -> tuple[int, dict]:
-    from vllm_dualgpu.cli import main
+# `vllm` for the recipes' scripts: `vllm serve ARGS` runs `vllm-dualgpu plan ARGS` with the
+# recipe's "Planned with" arguments and --json; the script itself is run by bash as printed.
+_SHIM = """vllm() {
+    if [ "$1" != serve ]; then echo "recipe runs 'vllm $1', not 'vllm serve'" >&2; return 99; fi
+    shift
+    "$PLAN_PYTHON" -m vllm_dualgpu.cli plan "$@" "${PLAN_ARGS[@]}" --json
+}
+"""
 
-    words = shlex.split(recipe["command"].replace("$MODELS", str(models)))
-    env = {}
-    while "=" in words[0] and not words[0].startswith("-"):
-        k, _, v = words.pop(0).partition("=")
-        env[k] = v
-    assert words[:2] == ["vllm", "serve"], recipe["title"]
-    argv = ["plan", *words[2:], *shlex.split(recipe["plan_args"] or ""), "--json"]
-    saved = {k: os.environ.get(k) for k in (*env, "VLLM_DUALGPU_RESERVE", "VLLM_PP_LAYER_PARTITION")}
-    os.environ.pop("VLLM_DUALGPU_RESERVE", None)
-    os.environ.pop("VLLM_PP_LAYER_PARTITION", None)
-    os.environ.update(env)
-    buf = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(io.StringIO()):
-            rc = main(argv)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    return rc, json.loads(buf.getvalue())
+
+def run_recipe(recipe: dict, models: Path) -> subprocess.CompletedProcess:
+    """The recipe's ```bash block, run by bash with MODELS set and `vllm serve` standing for
+    `vllm-dualgpu plan`."""
+    plan_args = " ".join(shlex.quote(a) for a in shlex.split(recipe["plan_args"] or ""))
+    script = f"PLAN_ARGS=({plan_args})\n{_SHIM}{recipe['script']}"
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_DUALGPU_RESERVE", "VLLM_PP_LAYER_PARTITION")}
+    env.update({"MODELS": str(models), "PLAN_PYTHON": sys.executable,
+                "PYTHONPATH": os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])})
+    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, timeout=120)
+
+
+def plan_of(recipe: dict, models: Path) -> tuple[int, dict]:
+    p = run_recipe(recipe, models)
+    assert p.returncode in (0, 1), (recipe["title"], p.returncode, p.stderr[-2000:])
+    return p.returncode, json.loads(p.stdout)
 
 
 def render(rc: int, out: dict) -> str:
@@ -122,6 +123,29 @@ def test_recipe_plans_as_the_doc_says(tmp_path, index):
     rc, out = plan_of(recipe, model_root(tmp_path))
     assert rc in (0, 1), out
     assert render(rc, out) == recipe["plan_line"], recipe["title"]
+
+
+@pytest.mark.parametrize("index", range(6))
+def test_recipe_runs_as_printed_through_bash(tmp_path, index):
+    """The block as a shell runs it: exit 0 (fits) or 1 (the largest length that fits), never
+    2 (a path the shell did not expand, an argument plan does not take)."""
+    recipe = recipes()[index]
+    p = run_recipe(recipe, model_root(tmp_path))
+    assert p.returncode in (0, 1), (recipe["title"], p.returncode, p.stderr[-2000:])
+    out = json.loads(p.stdout)
+    assert "plan" in out or out.get("largest_fitting_max_model_len") or out.get("error") == "ModelDoesNotFit", out
+
+
+def test_the_shell_expands_models_in_the_drafter_path(tmp_path):
+    """With the drafter's folder missing, plan names the path the shell made of $MODELS: the
+    JSON reaches vLLM (here plan) with the folder in it, not the text '$MODELS'."""
+    recipe = next(r for r in recipes() if "dflash" in r["command"])
+    models = model_root(tmp_path)
+    (models / "Qwen3.8-27B-DFlash2-W4A16" / "config.json").unlink()
+    (models / "Qwen3.8-27B-DFlash2-W4A16").rmdir()
+    p = run_recipe(recipe, models)
+    assert p.returncode == 2, p.stderr
+    assert f"cannot find '{models}/Qwen3.8-27B-DFlash2-W4A16'" in p.stderr, p.stderr
 
 
 def test_a_changed_number_in_the_doc_fails(tmp_path):

@@ -11,6 +11,10 @@ import re
 from pathlib import Path
 
 
+REFERENCE_PLACEHOLDER = "MODEL"
+"""What the serve line of a plan of the bundled reference shows in place of a model."""
+
+
 class UsageError(Exception):
     """A usage problem: print the message and exit 2."""
 
@@ -29,9 +33,11 @@ def read_config(model: str) -> tuple[dict, str]:
             if snaps:
                 cfg = snaps[-1]
         if cfg is None:
+            standin = (" (in the serve line of a plan of the bundled reference, MODEL stands for your "
+                       "checkpoint's folder)" if model == REFERENCE_PLACEHOLDER else "")
             raise UsageError(
-                f"cannot find {model!r}: give a local model directory with config.json (plan does not "
-                "download anything)"
+                f"cannot find {model!r}{standin}: give a local model directory with config.json (plan "
+                "does not download anything)"
             )
     if not cfg.is_file():
         raise UsageError(f"{path} has no config.json")

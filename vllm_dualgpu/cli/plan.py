@@ -15,6 +15,7 @@ import re
 import shlex
 import sys
 
+from vllm_dualgpu.cli.inputs import REFERENCE_PLACEHOLDER
 from vllm_dualgpu.cli.inputs import UsageError as _Fail
 from vllm_dualgpu.cli.inputs import read_config as _read_config
 from vllm_dualgpu.cli.inputs import with_default_reserves as _with_default_reserves
@@ -28,6 +29,14 @@ _EPILOG = """\
   --gpus local reads this machine's GPUs through NVML.
 Exit status: 0 planned, 1 cannot be planned as asked (the message says what fits), 2 bad arguments.
 """
+
+
+# `vllm serve` flags that do not change the plan: plan takes them and repeats them in its serve line.
+KEPT_VALUE_FLAGS = ("--port", "--host", "--api-key", "--chat-template", "--tool-call-parser",
+                    "--reasoning-parser", "--limit-mm-per-prompt", "--mm-processor-kwargs", "--tokenizer",
+                    "--revision", "--download-dir", "--generation-config", "--override-generation-config")
+KEPT_SWITCHES = ("--trust-remote-code", "--enable-auto-tool-choice", "--enable-chunked-prefill",
+                 "--no-enable-flashinfer-autotune", "--async-scheduling")
 
 
 def _human_int(value: str) -> int:
@@ -106,7 +115,8 @@ def add_parser(sub) -> None:
     p.add_argument("--num-gpu-blocks-override", type=int)
     p.add_argument("--kv-cache-memory-bytes", type=_human_int)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="for the stock-vLLM comparison")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="default: on")
     p.add_argument("--mamba-cache-dtype", default="auto")
     p.add_argument("--mamba-ssm-cache-dtype", default="auto")
     p.add_argument("--mamba-cache-mode", default=None, choices=("none", "align", "all"))
@@ -133,13 +143,12 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--drafter-shares-embedding", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--vision-on-every-rank", action="store_true", help=argparse.SUPPRESS)
-    # Pasted from a `vllm serve` command line: accepted and ignored.
-    for flag in ("--port", "--host", "--served-model-name", "--distributed-executor-backend", "--api-key",
-                 "--chat-template", "--tool-call-parser", "--reasoning-parser", "--limit-mm-per-prompt",
-                 "--mm-processor-kwargs", "--tokenizer"):
+    p.add_argument("--distributed-executor-backend", help=argparse.SUPPRESS)
+    # Pasted from a `vllm serve` command line: not planned with, kept as given in the serve line.
+    for flag in KEPT_VALUE_FLAGS:
         p.add_argument(flag, help=argparse.SUPPRESS)
-    for flag in ("--trust-remote-code", "--enable-auto-tool-choice", "--enable-chunked-prefill",
-                 "--no-enable-flashinfer-autotune", "--async-scheduling"):
+    p.add_argument("--served-model-name", nargs="+", help=argparse.SUPPRESS)
+    for flag in KEPT_SWITCHES:
         p.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(run=run)
     from vllm_dualgpu.cli import topology  # a box or a fleet: hosts separated by ';', or --fleet
@@ -156,6 +165,10 @@ def _gpus(args, have_model: bool):
     return _with_default_reserves(gpus, explicit), notes
 
 
+_BY_HAND = ("name the cards instead, in CUDA order: --gpus 'RTX 5090,RTX 4070 Ti SUPER' (a card plan "
+            "does not know with its memory: 'NAME:24GiB'); vllm-dualgpu doctor says what NVML lacks")
+
+
 def _gpus_as_given(args, have_model: bool):
     from vllm_dualgpu.planner import parse_gpus, reference_pair
 
@@ -169,10 +182,12 @@ def _gpus_as_given(args, have_model: bool):
             local = to_gpu_facts(read_visible_gpus())  # honours CUDA_VISIBLE_DEVICES, as vLLM does
         except Exception as e:  # no driver, no pynvml, no GPU
             if args.gpus:
-                raise _Fail(f"--gpus local: cannot read GPUs through NVML ({e})") from None
+                raise _Fail(f"--gpus local: cannot read GPUs through NVML ({e}); {_BY_HAND}") from None
             local = []
         if local:
             return local, notes
+        if args.gpus:
+            raise _Fail(f"--gpus local: NVML sees no GPU here; {_BY_HAND}")
         notes.append("no GPUs visible here: planning for the reference pair (RTX 5090 + RTX 4070 Ti SUPER)")
     return reference_pair(), notes
 
@@ -191,7 +206,8 @@ def _serve_command(model_arg: str, p, args) -> str:
         parts.append(f"--pipeline-parallel-size {len(p.partition)}")
         if args.tensor_parallel_size > 1:
             parts.append(f"--tensor-parallel-size {args.tensor_parallel_size}")
-        parts.append("--distributed-executor-backend dualgpu")
+        backend = "dualgpu-ray" if args.distributed_executor_backend == "dualgpu-ray" else "dualgpu"
+        parts.append(f"--distributed-executor-backend {backend}")
     parts.append(f"--max-model-len {p.max_model_len}")
     if args.quantization:
         parts.append(f"--quantization {q(args.quantization)}")
@@ -216,19 +232,40 @@ def _serve_command(model_arg: str, p, args) -> str:
                         ("--mamba-ssm-cache-dtype", args.mamba_ssm_cache_dtype)):
         if value != "auto":
             parts.append(f"{flag} {q(value)}")
-    if not args.enable_prefix_caching:
-        parts.append("--no-enable-prefix-caching")
+    if args.enable_prefix_caching is not None:
+        parts.append("--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching")
     if args.enforce_eager:
         parts.append("--enforce-eager")
     if args.language_model_only:
         parts.append("--language-model-only")
-    return " ".join(parts)
+    return " ".join(parts + _kept_flags(args))
+
+
+def _kept_flags(args) -> list[str]:
+    """The user's flags that ``plan`` does not plan with, as given (in a fixed order)."""
+    q = shlex.quote
+    parts = []
+    for flag in KEPT_VALUE_FLAGS:
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if value is not None:
+            parts.append(f"{flag} {q(value)}")
+    if args.served_model_name:
+        parts.append("--served-model-name " + " ".join(q(n) for n in args.served_model_name))
+    parts += [flag for flag in KEPT_SWITCHES if getattr(args, flag[2:].replace("-", "_"), False)]
+    return parts
+
+
+STOCK_MODELLED = "0.30.0"  # the release whose sizing planner.stock_estimate follows
 
 
 def _stock_line(s, part_text: str) -> str:
+    from vllm_dualgpu.support import installed_vllm_version
+
+    installed = installed_vllm_version()
+    other = f"; vLLM {installed} is installed" if installed and installed != STOCK_MODELLED else ""
     head = (
-        f"Stock vLLM 0.30 (GPUs {','.join(map(str, s.order))} in CUDA order, even split {part_text}, "
-        f"one --gpu-memory-utilization for all ranks): "
+        f"Stock vLLM, as {STOCK_MODELLED} sizes it{other} (GPUs {','.join(map(str, s.order))} in CUDA "
+        f"order, even split {part_text}, one --gpu-memory-utilization for all ranks): "
     )
     if s.boots:
         at = f"at {s.gpu_memory_utilization:.2f} it boots with {s.num_blocks:,} blocks ({s.pool_tokens:,} tokens)"
@@ -294,7 +331,7 @@ def request_from_args(args, model, gpus):
         model_dtype=model.dtype if args.dtype == "auto" else args.dtype,
         gpu_order=args.gpu_order,
         objective=args.objective,
-        enable_prefix_caching=args.enable_prefix_caching,
+        enable_prefix_caching=args.enable_prefix_caching is not False,
         mamba_cache_mode=args.mamba_cache_mode,
         mamba_cache_dtype=args.mamba_cache_dtype,
         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
@@ -305,16 +342,28 @@ def request_from_args(args, model, gpus):
     )
 
 
-def _print_error(e, as_json: bool) -> None:
-    """A refusal: one line on stderr, or its fields as JSON on stdout."""
+def _print_error(e, as_json: bool, command: str | None = None) -> None:
+    """A refusal: one line on stderr, or its fields as JSON on stdout (with ``command``, the
+    serve line at the largest length that fits)."""
     if as_json:
         err = {"error": type(e).__name__, "message": str(e)}
         for k in ("largest_fitting_max_model_len", "requested", "rank", "gpu_name", "short_bytes", "partition"):
             if hasattr(e, k):
                 err[k] = getattr(e, k)
+        if command is not None:
+            err["command"] = command
         print(json.dumps(err, indent=2))
     else:
         print(f"vllm-dualgpu plan: {e}", file=sys.stderr)
+
+
+def _placeholder_lines(model_arg: str, source: str) -> list[str]:
+    """For a plan of the bundled reference: what to put where the serve line says MODEL."""
+    if model_arg != REFERENCE_PLACEHOLDER:
+        return []
+    return [f"  (MODEL: put your checkpoint's folder there, the directory with its config.json. This "
+            f"plan is of the {source}, a set of shapes and not a checkpoint: plan your checkpoint "
+            "first, vllm-dualgpu plan /path/to/checkpoint ...)"]
 
 
 def _tp_stages(args, cfg: dict, gpus, req):
@@ -370,7 +419,7 @@ def run(args) -> int:
             ref = args.reference or "qwen3.8-27b"
             cfg = P.reference_config(ref)
             source = f"bundled reference {ref}"
-            model_arg = "MODEL"
+            model_arg = REFERENCE_PLACEHOLDER
             for k, v in ((cfg.get("_vllm_dualgpu") or {}).get("serve") or {}).items():
                 if getattr(args, k, None) is None:
                     setattr(args, k, v)
@@ -400,10 +449,15 @@ def run(args) -> int:
         _print_error(e, args.json)
         return 2 if isinstance(e, P.BadRequest) else 1
     if not f.fits:
-        _print_error(f.error, args.json)
+        command = _serve_command(model_arg, f.plan, args)
+        _print_error(f.error, args.json, command=command)
         if not args.json:
             print(f"\nThe plan at --max-model-len {f.plan.max_model_len:,}:\n", file=sys.stderr)
             print(f.plan.table(), file=sys.stderr)
+            print(f"Serve it at --max-model-len {f.plan.max_model_len:,}, the largest that fits:", file=sys.stderr)
+            print(f"  {command}", file=sys.stderr)
+            for line in _placeholder_lines(model_arg, source):
+                print(line, file=sys.stderr)
         return 1
     p = f.plan
 
@@ -436,10 +490,14 @@ def run(args) -> int:
         print()
         print("Serve it with the dualgpu executor, which applies this GPU order, split and memory plan:")
         print(f"  {command}")
+        for line in _placeholder_lines(model_arg, source):
+            print(line)
         visible = p.cuda_visible_devices() if ranks is None else ",".join(str(r["gpu"]) for r in ranks)
         print(f"(by hand: CUDA_VISIBLE_DEVICES={visible} VLLM_PP_LAYER_PARTITION={p.partition_env()})")
     else:
         print()
         print("Serve it as stock vLLM (one GPU):")
         print(f"  {command}")
+        for line in _placeholder_lines(model_arg, source):
+            print(line)
     return 0

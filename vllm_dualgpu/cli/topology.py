@@ -88,6 +88,22 @@ def _sizes(text: str) -> list[int]:
         raise _Fail(f"--tp-sizes {text!r}: write e.g. 1,2") from None
 
 
+def semicolon_note(gpus: str | None) -> str | None:
+    """When ``;`` splits --gpus into hosts none of which is named: say that this plans several
+    machines (a ``;`` typed for ``,`` would otherwise turn one box into a fleet silently)."""
+    from vllm_dualgpu.planner.topology import _HOST_NAME, split_hosts
+
+    if not gpus or ";" not in gpus or any(_HOST_NAME.match(p) for p in gpus.split(";") if p.strip()):
+        return None
+    hosts = split_hosts(gpus)
+    if len(hosts) < 2:
+        return None
+    shown = "; ".join(f"{name}: {cards.strip()}" for name, cards in hosts)
+    one_box = ",".join(cards.strip() for _, cards in hosts)
+    return (f"';' in --gpus separates machines: this plans {len(hosts)} hosts ({shown}). For the cards "
+            f"of one machine, separate them with ',': --gpus '{one_box}'")
+
+
 def _build(args):
     """(config, weight format, quantization, fleet, request, link, tp sizes, prefer, route name,
     topology id, measured, source) from the flags and the fleet file; flags win."""
@@ -193,14 +209,17 @@ def run(args) -> int:
         print(f"vllm-dualgpu plan: bad fleet settings: {e}", file=sys.stderr)
         return 2
     rc = 0 if fp.recommended is not None else 1
+    note = semicolon_note(args.gpus)
     if args.json:
-        out = {"source": source, **fp.to_dict(), "routes": routes}
+        out = {"source": source, **fp.to_dict(), "routes": routes, "notes": [note] if note else []}
         if rc:
             out["error"] = "nothing fits"
             out["message"] = fp.what_fits()
         print(json.dumps(out, indent=2))
         return rc
     print(f"vllm-dualgpu plan ({source})")
+    if note:
+        print(f"Note: {note}")
     text = fleet_table(fp, routes)
     if rc:
         print(text, end="", file=sys.stderr)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import sys
 from collections.abc import Callable
 
 BACKEND_NAME = "dualgpu"
@@ -80,8 +81,9 @@ def remember_explicit_utilization(engine_args) -> None:
 def wrap_create_engine_config(original: Callable) -> Callable:
     @functools.wraps(original)
     def create_engine_config(self, usage_context=None, headless=False):
-        from vllm_dualgpu.engine import preflight
+        from vllm_dualgpu.engine import no_gpu, preflight
 
+        no_gpu.check_backend(self.distributed_executor_backend)
         try:
             self.distributed_executor_backend = resolve_backend(self.distributed_executor_backend)
         except preflight.PreflightError as e:
@@ -127,6 +129,9 @@ HELP_NOTE = (
 def wrap_add_cli_args(original: Callable) -> Callable:
     @functools.wraps(original)
     def add_cli_args(parser):
+        from vllm_dualgpu.engine import no_gpu
+
+        no_gpu.check_command_line(sys.argv[1:])  # vLLM without a device fails in original()
         parser = original(parser)
         action = getattr(parser, "_option_string_actions", {}).get("--distributed-executor-backend")
         if action is not None and f"'{BACKEND_NAME}'" not in (action.help or ""):

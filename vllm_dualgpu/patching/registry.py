@@ -38,7 +38,8 @@ PATCHES: tuple[Patch, ...] = (
             "before vLLM validates it: EngineArgs._check_feature_supported rejects any other "
             "string with PP > 1 and Executor.get_class cannot resolve a bare name. Every other "
             "name goes to vLLM unchanged; when vLLM refuses one close to 'dualgpu', one ERROR "
-            "line names it."
+            "line names it. dualgpu where vLLM found no device and NVML sees no GPU gets one "
+            "line naming vllm-dualgpu doctor."
         ),
         upstream="none (vLLM has no registry of executor names for plugins)",
         remove_when="vLLM lets plugins register executor backends by name",
@@ -739,7 +740,10 @@ PATCHES: tuple[Patch, ...] = (
         why=(
             "vllm serve --help=distributed-executor-backend lists the backends vLLM knows and "
             "not 'dualgpu', which only executor-by-name makes a valid value. The wrapper adds "
-            "one sentence to that argument's help; parsing is unchanged."
+            "one sentence to that argument's help; parsing is unchanged. Before vLLM builds the "
+            "parser (where vLLM without a device fails: 'Failed to infer device type'), a command "
+            "line that asks for dualgpu on a machine where NVML sees no GPU is refused in one line "
+            "that names vllm-dualgpu doctor (engine/no_gpu.py)."
         ),
         upstream="none (vLLM has no registry of executor names for plugins)",
         remove_when="vLLM lets plugins register executor backends by name (with their help)",

@@ -12,6 +12,10 @@ def gib(n: int | float) -> str:
     return f"{n / GIB:.2f} GiB"
 
 
+def _kv_is_fp8(kv_cache_dtype: str | None) -> bool:
+    return bool(kv_cache_dtype) and str(kv_cache_dtype).lower().startswith("fp8")
+
+
 class PlanError(ValueError):
     """Base class: the request cannot be planned as asked."""
 
@@ -40,17 +44,18 @@ class ContextTooLong(PlanError):
         *,
         partition: list[int] | tuple[int, ...] | None = None,
         hint: str = "",
+        kv_cache_dtype: str | None = None,
     ) -> None:
         self.largest_fitting_max_model_len = largest_fitting_max_model_len
         self.requested = requested
         where = ""
         if partition is not None and len(partition) > 1:
             where = f" (layer split {'/'.join(map(str, partition))})"
+        fp8 = "" if _kv_is_fp8(kv_cache_dtype) else "--kv-cache-dtype fp8, "
         msg = (
             f"--max-model-len {requested:,} does not fit: the largest that fits is "
             f"{largest_fitting_max_model_len:,}{where}; lower --max-model-len to at most "
-            f"{largest_fitting_max_model_len}, or use --kv-cache-dtype fp8, a smaller weight "
-            "format, or free GPU memory"
+            f"{largest_fitting_max_model_len}, or use {fp8}a smaller weight format, or free GPU memory"
         )
         if hint:
             msg += f" ({hint})"
@@ -60,7 +65,9 @@ class ContextTooLong(PlanError):
 class ModelDoesNotFit(PlanError):
     """The weights plus fixed costs do not fit: ``rank`` (on ``gpu_name``) is ``short_bytes`` short.
 
-    Reported for the split that comes closest to fitting (``partition``).
+    Reported for the split that comes closest to fitting (``partition``; None or one entry for a
+    single card). ``kv_cache_dtype``: the request's, so that the advice leaves out fp8 KV when it
+    is already given.
     """
 
     def __init__(
@@ -73,6 +80,7 @@ class ModelDoesNotFit(PlanError):
         what: str = "the weights, fixed costs and one request's KV cache",
         hint: str = "",
         shortfalls: list[tuple[int, str, int]] | None = None,
+        kv_cache_dtype: str | None = None,
     ) -> None:
         self.rank = rank
         self.gpu_name = gpu_name
@@ -80,14 +88,15 @@ class ModelDoesNotFit(PlanError):
         self.partition = list(partition) if partition else None
         #: every short rank of that split: (rank, gpu name, bytes short)
         self.shortfalls = list(shortfalls) if shortfalls else [(rank, gpu_name, short_bytes)]
-        split = f" with layer split {'/'.join(map(str, partition))}" if partition and len(partition) > 1 else ""
+        split = (f" with layer split {'/'.join(map(str, partition))}, the split that comes closest,"
+                 if partition and len(partition) > 1 else "")
         others = [f"rank {r} ({n}) by {gib(b)}" for r, n, b in self.shortfalls if r != rank]
         also = f" (and {', '.join(others)})" if others else ""
+        fp8 = "" if _kv_is_fp8(kv_cache_dtype) else " --kv-cache-dtype fp8,"
         msg = (
             f"the model does not fit: rank {rank} ({gpu_name}) is short by {gib(short_bytes)}{also}"
-            f"{split}, the split that comes closest, for {what}; use a smaller weight format "
-            "(fp8, W4A16/NVFP4), --kv-cache-dtype fp8, a shorter --max-model-len, free memory on "
-            "that card, or add a GPU"
+            f"{split} for {what}; use a smaller weight format (fp8, W4A16/NVFP4),{fp8} a shorter "
+            "--max-model-len, free memory on that card, or add a GPU"
         )
         if hint:
             msg += f" ({hint})"

@@ -143,6 +143,25 @@ def lookup(name: str) -> KnownGpu | None:
     return best[1] if best else None
 
 
+def close_names(name: str, n: int = 3) -> list[str]:
+    """Known cards whose name is close to ``name`` (a typo such as 'RTX 5900'), closest first."""
+    import difflib
+
+    names = {_norm(g.name): g.name for g in KNOWN_GPUS}
+    return [names[k] for k in difflib.get_close_matches(_norm(name), list(names), n=n, cutoff=0.75)]
+
+
+def unknown_gpu_message(name: str) -> str:
+    """What to do about a ``--gpus`` name that is not in :data:`KNOWN_GPUS`: the close known
+    names first (a typo), then how to give a card the table does not know."""
+    close = close_names(name)
+    if close:
+        which = " or ".join(filter(None, [", ".join(map(repr, close[:-1])), repr(close[-1])]))
+        return (f"unknown GPU {name!r}: did you mean {which}? A card "
+                f"that is not in the table needs its memory, e.g. '{name}:24GiB'")
+    return f"unknown GPU {name!r}: give its memory, e.g. '{name}:24GiB'"
+
+
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B?|B)?\s*$", re.I)
 
 
@@ -154,6 +173,8 @@ def parse_size(text: str, *, what: str = "size") -> int:
     Raises :class:`BadRequest` (a ``ValueError``) naming ``what`` and an example.
     """
     m = _SIZE.match(text)
+    if not m and _SIZE.match(text.strip().removeprefix("-")):
+        raise BadRequest(f"{what}: {text!r} is negative; a memory size is 0 or more, e.g. 0, 512MiB, 1.5GiB")
     if not m:
         raise BadRequest(f"{what}: cannot read {text!r} as a memory size; write e.g. 0, 512MiB, 1.5GiB")
     num, unit = float(m.group(1)), m.group(2)
@@ -200,7 +221,7 @@ def parse_gpus(spec: str) -> list[GpuFacts]:
         elif known is not None:
             total = known.total_bytes
         else:
-            raise BadRequest(f"unknown GPU {name!r}: give its memory, e.g. '{name}:24GiB'")
+            raise BadRequest(unknown_gpu_message(name))
         free = parse_size(positional[1], what="--gpus") if len(positional) > 1 else total
         if "free" in keyed:
             free = parse_size(keyed.pop("free"), what="--gpus free=")

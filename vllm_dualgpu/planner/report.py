@@ -50,6 +50,29 @@ def _grid(rows: list[tuple[str, list[str]]]) -> list[str]:
     return out
 
 
+def pool_lines(p) -> list[str]:
+    """The KV pool three ways, each saying what it counts: the token slots of its blocks, the
+    longest single request, and vLLM's own "KV cache size" figure at --max-model-len."""
+    m = p.model
+    state = p.kv.blocks_per_request_const
+    held = "; one block is vLLM's null block" + (
+        f", and a request takes {state} more for its recurrent layers' state" if state else "")
+    lines = [
+        f"KV pool: {p.num_blocks:,} blocks x {p.block_size:,} tokens ({p.num_blocks * p.block_size:,} token "
+        f"slots); one request can hold up to {p.kv_max_context_tokens:,} tokens"
+        + (f" (model maximum {m.max_position_embeddings:,})" if p.kv_max_context_tokens > m.max_position_embeddings else "")
+        + held
+    ]
+    if p.max_model_len > 0:
+        per = p.kv.blocks_per_request(p.max_model_len)
+        lines.append(
+            f"--max-model-len {p.max_model_len:,}: vLLM reports a KV cache of {p.pool_tokens:,} tokens, "
+            f"{p.max_concurrency:.2f}x concurrency (its figure: {p.num_blocks:,} blocks / the {per:,} a request "
+            f"of {p.max_model_len:,} tokens takes x {p.max_model_len:,})"
+        )
+    return lines
+
+
 def plan_table(p) -> str:
     m = p.model
     kv = p.kv
@@ -104,15 +127,7 @@ def plan_table(p) -> str:
             f"GPU order {p.cuda_visible_devices()} (rank 0 first), layer split {p.partition_env()} "
             f"(of {p.candidates:,} candidates)"
         )
-    lines.append(
-        f"KV pool: {p.num_blocks:,} blocks x {p.block_size} tokens; one request can hold up to "
-        f"{p.kv_max_context_tokens:,} tokens"
-        + (f" (model maximum {m.max_position_embeddings:,})" if p.kv_max_context_tokens > m.max_position_embeddings else "")
-    )
-    lines.append(
-        f"--max-model-len {p.max_model_len:,}: vLLM reports a KV cache of {p.pool_tokens:,} tokens, "
-        f"{p.max_concurrency:.2f}x concurrency"
-    )
+    lines.extend(pool_lines(p))
     ms = p.predicted_decode_ms
     if ms is not None:
         lines.append(

@@ -250,7 +250,8 @@ class Fit:
         if self.fits:
             return None
         assert self.requested_max_model_len is not None
-        return ContextTooLong(self.largest_max_model_len, self.requested_max_model_len, partition=self.plan.partition)
+        return ContextTooLong(self.largest_max_model_len, self.requested_max_model_len, partition=self.plan.partition,
+                              kv_cache_dtype=self.plan.request.kv_cache_dtype)
 
 
 @dataclass
@@ -708,6 +709,7 @@ def fit(
             partition=list(worst.partition),
             what=what,
             shortfalls=shorts,
+            kv_cache_dtype=request.kv_cache_dtype,
         )
     # vLLM caps --max-model-len at the model's maximum unless VLLM_ALLOW_LONG_MAX_MODEL_LEN is set
     cap = model.max_position_embeddings if not request.allow_long_max_model_len else max(c.max_ctx for c in fitting)

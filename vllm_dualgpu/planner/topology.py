@@ -33,6 +33,8 @@ DEFAULT_TP_SIZES = (1, 2, 4, 8)
 PREFERENCES = ("throughput", "latency", "context")
 #: topologies within this share of the best figure count as equal; the tie-breaks decide
 TIE = 0.97
+# How ready a topology is, best first: the recommendation takes the best of the readiest.
+STATUS_ORDER = ("yes", "CPU-tested", "not yet")
 _HOST_NAME = re.compile(r"^\s*([A-Za-z0-9_.-]+)\s*=(.*)$", re.S)
 
 
@@ -317,18 +319,26 @@ class ReplicaPlan:
     def serve_today(self) -> tuple[bool, str]:
         """(runs with this package or stock vLLM today, how)."""
         hosts = self.layout.hosts
+        mml = f" --max-model-len {self.plan.max_model_len}" if self.plan is not None else ""
         if len(hosts) > 1 and self.tp == 1:
             return False, (f"stages across hosts: vllm serve MODEL --pipeline-parallel-size {self.pp} "
-                           "--distributed-executor-backend dualgpu-ray on a Ray cluster (docs/multi-node.md; "
+                           f"--distributed-executor-backend dualgpu-ray{mml} on a Ray cluster (docs/multi-node.md; "
                            "CPU-tested, not yet run on GPUs)")
         if len(hosts) > 1:
             return False, ("TP groups as stages across hosts: not yet with the dualgpu-ray executor (it plans "
                            "TP 1); stock vLLM on Ray runs it with an even split")
         if self.pp == 1:
             tp = f" --tensor-parallel-size {self.tp}" if self.tp > 1 else ""
-            return True, f"stock vLLM: vllm serve MODEL{tp}"
+            return True, f"stock vLLM: vllm serve MODEL{tp}{mml}"
         tp = f" --tensor-parallel-size {self.tp}" if self.tp > 1 else ""
-        return True, f"vllm serve MODEL --pipeline-parallel-size {self.pp}{tp} --distributed-executor-backend dualgpu"
+        return True, f"vllm serve MODEL --pipeline-parallel-size {self.pp}{tp} --distributed-executor-backend dualgpu{mml}"
+
+    def status(self) -> str:
+        """``yes`` (runs today), ``CPU-tested`` (stages across hosts on dualgpu-ray: not yet run on
+        GPUs) or ``not yet`` (needs executor work)."""
+        if self.serve_today()[0]:
+            return "yes"
+        return "CPU-tested" if len(self.layout.hosts) > 1 and self.tp == 1 else "not yet"
 
     def to_dict(self) -> dict:
         ok, how = self.serve_today()
@@ -411,6 +421,12 @@ class TopologyPlan:
         return self.fits and all(r.serve_today()[0] for r in self.fitting)
 
     @property
+    def status(self) -> str:
+        """The least ready of its replicas' :meth:`ReplicaPlan.status` words."""
+        words = [r.status() for r in self.fitting] or ["not yet"]
+        return max(words, key=STATUS_ORDER.index)
+
+    @property
     def network_hops(self) -> int:
         return sum(r.network_hops for r in self.fitting)
 
@@ -429,6 +445,7 @@ class TopologyPlan:
             "tokens_per_s": None if tps is None else round(tps, 1),
             "idle_cards": [{"card": c.label, "why": why} for c, why in self.idle],
             "runs_today": self.runs_today,
+            "status": self.status,
         }
 
 
@@ -466,11 +483,11 @@ def _one_fit(model: ModelSpec, gpus: list[GpuFacts], req: PlanRequest) -> Fit:
         return fit(model, gpus, req)
     p = plan(model, gpus, replace(req, pp_size=1))
     if not p.ranks:
-        raise ModelDoesNotFit(0, gpus[0].name, 1, what="; ".join(p.notes))
+        raise ModelDoesNotFit(0, gpus[0].name, 1, what="; ".join(p.notes), kv_cache_dtype=req.kv_cache_dtype)
     r = p.ranks[0]
     need = (p.kv.blocks_per_request(1) + 1) * r.kv_bytes_per_block
     if r.kv_budget_bytes < need:
-        raise ModelDoesNotFit(0, gpus[0].short_name, need - r.kv_budget_bytes)
+        raise ModelDoesNotFit(0, gpus[0].short_name, need - r.kv_budget_bytes, kv_cache_dtype=req.kv_cache_dtype)
     largest = min(p.kv_max_context_tokens, model.max_position_embeddings)
     if req.max_model_len == -1:
         return Fit(plan(model, gpus, replace(req, pp_size=1, max_model_len=largest)), True, None, largest)
@@ -629,6 +646,8 @@ def recommend(topologies: list[TopologyPlan], prefer: str = "throughput") -> tup
             return float(t.max_context_tokens)
         return t.tokens_per_s or 0.0
 
+    ready = min((STATUS_ORDER.index(t.status) for t in fit))
+    everything, fit = fit, [t for t in fit if STATUS_ORDER.index(t.status) == ready]
     top = max(metric(t) for t in fit)
     near = [t for t in fit if (metric(t) >= top * TIE if top >= 0 else metric(t) >= top / TIE)]
     tie_key = lambda t: (not t.runs_today, -t.max_context_tokens, len(t.idle), t.network_hops, -(t.tokens_per_s or 0))  # noqa: E731
@@ -639,7 +658,10 @@ def recommend(topologies: list[TopologyPlan], prefer: str = "throughput") -> tup
         "latency": f"the fastest predicted single stream, {best.decode_ms or 0:.1f} ms per step",
         "context": f"the longest context, {best.max_context_tokens:,} tokens",
     }[prefer]
-    parts = [f"{best.id} ({best.layout.label}): {what}, among {len(fit)} topologies that fit"]
+    among = (f"among {len(fit)} topologies that fit and run today" if ready == 0 else
+             f"among {len(fit)} topologies that fit; none that fits runs today" if len(fit) == len(everything) else
+             f"among {len(fit)} topologies that fit and are CPU-tested; none that fits runs today")
+    parts = [f"{best.id} ({best.layout.label}): {what}, {among}"]
     if rest:
         r = rest[0]
         if prefer == "throughput" and r.tokens_per_s and best.tokens_per_s:
@@ -654,11 +676,16 @@ def recommend(topologies: list[TopologyPlan], prefer: str = "throughput") -> tup
         parts.append(f"single stream {best.decode_ms:.1f} ms per step on its fastest replica")
     idle = best.idle
     parts.append(f"{len(idle)} card(s) idle" if idle else "no card idle")
-    parts.append("runs today" if best.runs_today else "needs executor work that is not done yet (see each replica's serve line)")
-    today = [t for t in fit if t.runs_today]
-    if not best.runs_today and today:
-        alt = max(today, key=metric)
-        parts.append(f"the best that runs today is {alt.id}")
+    parts.append({"yes": "runs today",
+                  "CPU-tested": "dualgpu-ray across the hosts: CPU-tested, not yet run on GPUs",
+                  "not yet": "needs executor work that is not done yet (see each replica's serve line)"}[best.status])
+    better = [t for t in everything if t not in fit and metric(t) > metric(best)]
+    if better:
+        alt = max(better, key=metric)
+        gain = {"throughput": f"{alt.tokens_per_s or 0:,.0f} tokens/s", "latency": f"{alt.decode_ms or 0:.1f} ms per step",
+                "context": f"{alt.max_context_tokens:,} tokens"}[prefer]
+        ready_word = "is CPU-tested only" if alt.status == "CPU-tested" else "does not run yet"
+        parts.append(f"{alt.id} predicts more ({gain}) but {ready_word}")
     return best, "; ".join(parts)
 
 

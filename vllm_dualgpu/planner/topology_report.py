@@ -36,7 +36,7 @@ def fleet_table(fp, routes: dict | None = None) -> str:
         rows.append(("decode tokens/s", [_per_replica(t, lambda r: "?" if r.tokens_per_s is None else f"{r.tokens_per_s:,.0f}") for t in fit]))
         rows.append(("aggregate tokens/s", ["?" if t.tokens_per_s is None else f"{t.tokens_per_s:,.0f}" for t in fit]))
         rows.append(("cards idle", [str(len(t.idle)) for t in fit]))
-        rows.append(("runs today", ["yes" if t.runs_today else "not yet" for t in fit]))
+        rows.append(("runs today", [t.status for t in fit]))
         lines.extend(_grid(rows))
         lines.append("")
     for t in fp.topologies:

@@ -54,7 +54,7 @@ def test_no_arguments_prints_the_reference_table_quickly():
     assert "--max-model-len 262,144" in out
     assert "CUDA_VISIBLE_DEVICES=1,0 VLLM_PP_LAYER_PARTITION=" in out
     assert "--distributed-executor-backend dualgpu" in out
-    assert "Stock vLLM 0.30" in out
+    assert "Stock vLLM, as 0.30.0 sizes it" in out
 
 
 def test_json_output_matches_the_planner(capsys):

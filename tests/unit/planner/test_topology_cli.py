@@ -54,7 +54,7 @@ def test_named_hosts_and_the_plain_plan_is_untouched(capsys, tiny):
     assert [h["name"] for h in d["fleet"]["hosts"]] == ["box1"]
     assert all(r["max_model_len"] == 2048 for t in d["topologies"] if t["fits"] for r in t["replicas"] if r["fits"])
     rc, out, err = run_cli(capsys, tiny, "--gpus", "A:4GiB:bw=100,A:4GiB:bw=100")  # no ';', no name: one pipeline
-    assert rc == 0 and "Stock vLLM 0.30" in out and "Route weights" not in out
+    assert rc == 0 and "Stock vLLM, as 0.30.0 sizes it" in out and "Route weights" not in out
 
 
 def test_the_bundled_example_prints_topologies_side_by_side_and_seed_weights(capsys):

@@ -42,7 +42,8 @@ def test_a_pipeline_on_one_host_adds_one_pcie_send_per_stage_boundary():
     r = by_id(fp)["host-tp1"].replicas[0]
     assert r.fits and len(r.plan.partition) == 2 and r.network_hops == 0
     assert r.decode_ms == pytest.approx(r.plan.predicted_decode_ms + hop_ms(1, 256, LinkModel(), network=False))
-    assert r.serve_today() == (True, "vllm serve MODEL --pipeline-parallel-size 2 --distributed-executor-backend dualgpu")
+    assert r.serve_today() == (True, "vllm serve MODEL --pipeline-parallel-size 2 --distributed-executor-backend dualgpu "
+                                     "--max-model-len 4096")  # the request's length, planned
 
 
 def test_a_tp_group_is_planned_as_equal_shards_at_the_smaller_cards_memory():
@@ -57,7 +58,7 @@ def test_a_tp_group_is_planned_as_equal_shards_at_the_smaller_cards_memory():
     ref = plan(half, [GpuFacts(0, "A", 4 * GIB, 3 * GIB, 80.0, reserve_bytes=extra)], replace(REQ, pp_size=1))
     assert r.plan.num_blocks == ref.num_blocks
     assert any("smaller card" in n for n in r.notes)
-    assert r.serve_today() == (True, "stock vLLM: vllm serve MODEL --tensor-parallel-size 2")
+    assert r.serve_today() == (True, "stock vLLM: vllm serve MODEL --tensor-parallel-size 2 --max-model-len 4096")
 
 
 def test_a_fleet_with_nothing_that_fits_says_so():

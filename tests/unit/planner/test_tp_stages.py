@@ -119,7 +119,7 @@ def test_the_fleet_report_serves_tp_stages_on_one_host_with_the_executor():
     r = fp.get("host-tp2").replicas[0]
     assert r.fits and r.pp == 2
     assert r.serve_today() == (True, "vllm serve MODEL --pipeline-parallel-size 2 --tensor-parallel-size 2 "
-                                     "--distributed-executor-backend dualgpu")
+                                     "--distributed-executor-backend dualgpu --max-model-len 4096")
 
 
 EAGLE3 = {
