@@ -16,7 +16,8 @@
 # PYTHON (default python3) must have this VERSION of vLLM and pytest installed; without vLLM the
 # tests are skipped with a note and only the apply checks run. Environment: UPSTREAM_CACHE
 # (default $TEST_VENVS/upstream, TEST_VENVS defaulting to .venvs/test as in scripts/test.sh)
-# holds the sdist; UPSTREAM_SDIST names an already downloaded sdist to use instead of PyPI.
+# holds the sdist; UPSTREAM_SDIST names an already downloaded sdist to use instead of PyPI;
+# UPSTREAM_DRAFTS (default upstream/) is the folder of drafts.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -59,9 +60,10 @@ PYEOF
     mv "$TREE.part" "$TREE" && touch "$TREE/.unpacked"
 fi
 
-patches=("$ROOT"/upstream/*/*.patch)
+DRAFTS=${UPSTREAM_DRAFTS:-$ROOT/upstream}
+patches=("$DRAFTS"/*/*.patch)
 for p in "${patches[@]}"; do
-    name=${p#"$ROOT"/upstream/}
+    name=${p#"$DRAFTS"/}
     if (cd "$TREE" && git apply --check "$p"); then
         echo "applies to vLLM $VERSION: $name"
     else
@@ -73,7 +75,7 @@ done
 installed=$("$PY" -c 'import importlib.util as u, os; s = u.find_spec("vllm"); print(os.path.dirname(s.origin))' 2>/dev/null)
 have=$("$PY" -c 'import importlib.metadata as m; print(m.version("vllm"))' 2>/dev/null)
 tests=()
-for list in "$ROOT"/upstream/*/cpu-tests.txt; do
+for list in "$DRAFTS"/*/cpu-tests.txt; do
     [ -f "$list" ] || continue
     while read -r t; do [ -n "$t" ] && tests+=("$t"); done < <(grep -v '^#' "$list")
 done
@@ -93,7 +95,7 @@ elif [ $failures = 0 ]; then
         [ -f "$TREE/$f" ] && [ ! -f "$scratch/src/$f" ] && install -D -m 644 "$TREE/$f" "$scratch/src/$f"
     done
     for p in "${patches[@]}"; do
-        (cd "$scratch/src" && git apply "$p") || { echo "FAILED: ${p#"$ROOT"/upstream/} conflicts with the drafts before it"; failures=$((failures + 1)); }
+        (cd "$scratch/src" && git apply "$p") || { echo "FAILED: ${p#"$DRAFTS"/} conflicts with the drafts before it"; failures=$((failures + 1)); }
     done
     if [ $failures = 0 ]; then
         "$PY" "$ROOT/upstream/overlay.py" "$installed" "$scratch/src" "$scratch/overlay" \

@@ -63,6 +63,9 @@ class Patch:
     fixed_in: str = ""
     """The vLLM release that fixed the problem upstream (the range ends there), with what it
     changed, e.g. ``"0.31.0: DFlashQwen3Model builds ... (models/qwen3_dflash.py)"``."""
+    upstream_draft: str = ""
+    """The ``upstream/`` directory holding a pull request drafted against vLLM that would retire
+    this entry, or why there is none (shown in docs/patches.md; empty: not yet considered)."""
 
     @property
     def module(self) -> str:

@@ -68,6 +68,9 @@ class Intervention:
     """``module:function`` taking the intervention and returning "" or why it does not hold,
     for what is not a Python attribute (a native symbol, a library's environment variable)."""
     issue: str = ""
+    upstream_draft: str = ""
+    """The ``upstream/`` directory holding a pull request drafted against vLLM that would retire
+    this entry, or why there is none (shown in docs/patches.md)."""
 
     @property
     def check_target(self) -> str:
@@ -237,6 +240,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         upstream="none (vLLM configures logging per LoggingConfig since 0.33)",
         remove_when="the plugin logs through a hook vLLM calls once logging is configured",
         issue="#16",
+        upstream_draft="none: a reliance on what vLLM already has; it goes with the entries that use it",
     ),
     # --- native hook ---
     Intervention(
@@ -256,6 +260,10 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         remove_when="vLLM's get_sm_version_num() answers for the current device",
         probe="vllm_dualgpu.patching.interventions:probe_native_symbol",
         issue="#4",
+        upstream_draft=(
+            "upstream/per-device-capability (its csrc/cutlass_extensions/common.hpp change; "
+            "vLLM's library must be rebuilt)"
+        ),
     ),
     # --- environment ---
     Intervention(
@@ -273,6 +281,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         remove_when="the CuTe DSL detects the current device instead of device 0",
         probe="vllm_dualgpu.patching.interventions:probe_cute_dsl_arch",
         issue="#4",
+        upstream_draft="none: the CuTe DSL is NVIDIA's library, not vLLM",
     ),
     Intervention(
         name="cuda-device-order",
@@ -291,6 +300,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         params=("cls", "device_id"),
         source_names=("device_control_env_var",),
         issue="#2",
+        upstream_draft="none: a reliance on what vLLM already has; it goes with the entries that use it",
     ),
     Intervention(
         name="pp-layer-partition",
@@ -308,6 +318,10 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         params=("num_hidden_layers", "pp_rank", "pp_size"),
         source_names=("VLLM_PP_LAYER_PARTITION",),
         issue="#2",
+        upstream_draft=(
+            "none yet: a layer split in vLLM's config (uneven-memory-aware) is the next candidate"
+            " (upstream/README.md)"
+        ),
     ),
     # --- config ---
     Intervention(
@@ -325,6 +339,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         checks="vllm.v1.executor.multiproc_executor:WorkerProc.worker_main",
         source_names=("assigned_physical_gpu_ids", "set_assigned_physical_gpu_ids"),
         issue="#2",
+        upstream_draft="none: a reliance on what vLLM already has; it goes with the entries that use it",
     ),
     # --- dualgpu-ray (docs/multi-node.md) ---
     Intervention(
@@ -344,6 +359,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         source_names=("VLLM_RAY_BUNDLE_INDICES", "get_bundles_for_indices", "node_workers[node_id].index(i)",
                       "sorted(node_physical_gpu_ids[node_id])"),
         issue="#20",
+        upstream_draft="none: a reliance on what vLLM already has; it goes with the entries that use it",
     ),
     Intervention(
         name="ray-placement-group-reused",
@@ -360,6 +376,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         remove_when="vLLM lets an executor plan between connecting to Ray and placing workers",
         source_names=("parallel_config.placement_group",),
         issue="#20",
+        upstream_draft="none: a reliance on what vLLM already has; it goes with the entries that use it",
     ),
     Intervention(
         name="ray-node-gpu-order",
@@ -377,6 +394,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         checks=f"{_WORKER}.init_device",
         source_names=("assigned_physical_gpu_ids", "set_assigned_physical_gpu_ids"),
         issue="#20",
+        upstream_draft="none: a reliance on what vLLM already has; it goes with the entries that use it",
     ),
     Intervention(
         name="ray-worker-backend-name",
@@ -394,6 +412,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         checks=f"{_WORKER}.init_device",
         source_names=('"ray"', "local_world_size"),
         issue="#20",
+        upstream_draft="none: a reliance on what vLLM already has; it goes with the entries that use it",
     ),
     Intervention(
         name="flashinfer-autotune-off",
@@ -412,6 +431,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         checks="vllm.model_executor.warmup.kernel_warmup:kernel_warmup",
         source_names=("enable_flashinfer_autotune",),
         issue="#5",
+        upstream_draft="none: vLLM PR #57198 (open) tunes per pipeline stage group",
     ),
     Intervention(
         name="gpu-memory-utilization-floor",
@@ -429,6 +449,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         checks="vllm.v1.worker.utils:request_memory",
         source_names=("gpu_memory_utilization", "free_memory"),
         issue="#3",
+        upstream_draft="upstream/per-rank-memory-reserve",
     ),
     # --- worker class ---
     Intervention(
@@ -446,6 +467,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         remove_when="vLLM takes a per-rank memory budget",
         checks=_WORKER,
         issue="#3",
+        upstream_draft="upstream/per-rank-memory-reserve",
     ),
     *(
         Intervention(
@@ -459,6 +481,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
             remove_when="the worker class goes (see worker-class)",
             params=params,
             issue="#3",
+            upstream_draft="upstream/per-rank-memory-reserve",
         )
         for method, params in (
             ("init_device", ("self",)),
@@ -480,6 +503,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         checks=f"{_WORKER}.init_device",
         source_names=("self.init_snapshot",),
         issue="#3",
+        upstream_draft="upstream/per-rank-memory-reserve",
     ),
     Intervention(
         name="worker-requested-memory",
@@ -496,6 +520,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         checks=f"{_WORKER}.determine_available_memory",
         source_names=("self.requested_memory",),
         issue="#3",
+        upstream_draft="upstream/per-rank-memory-reserve",
     ),
     *(
         Intervention(
@@ -510,6 +535,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
             checks=f"{module}:GPUModelRunner.load_model",
             source_names=("self.model_memory_usage",),
             issue="#3",
+            upstream_draft="none: a reliance on what vLLM already has; it goes with the entries that use it",
         )
         for suffix, runner, module in (
             ("", "v1", "vllm.v1.worker.gpu_model_runner"),
@@ -532,6 +558,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         checks="vllm.v1.worker.gpu.pp_utils:PPHandler.__init__",
         source_names=("self.broadcast_group",),
         issue="#3",
+        upstream_draft="none: a reliance on what vLLM already has; it goes with the entries that use it",
     ),
     # --- private vLLM functions: the context check and the KV grouping patch ---
     *(
@@ -549,6 +576,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
             "and groups KV layers per rank",
             params=params,
             issue="#3",
+            upstream_draft="none: a reliance on what vLLM already has; it goes with the entries that use it",
         )
         for module, versions, suffix, fn, params, why in (
             (_KV, V030_032, "", "_project_kv_cache_groups_to_worker", ("global_kv_cache_groups", "worker_spec"),
@@ -596,6 +624,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         upstream=_NO_HOOK,
         remove_when="never (vLLM's own field; the check pins the name)",
         issue="#15",
+        upstream_draft="none: a reliance on what vLLM already has; it goes with the entries that use it",
     ),
     Intervention(
         name="user-specified-block-size",
@@ -610,6 +639,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         upstream=_NO_HOOK,
         remove_when="never (vLLM's own field; the check pins its name)",
         issue="#3",
+        upstream_draft="none: a reliance on what vLLM already has; it goes with the entries that use it",
     ),
     Intervention(
         name="is-mm-prefix-lm",
@@ -624,6 +654,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         upstream=_NO_HOOK,
         remove_when="the hybrid-block-size-every-stage patch goes",
         issue="#6",
+        upstream_draft="none: a reliance on what vLLM already has; it goes with the entries that use it",
     ),
     # --- private vLLM names the patch bodies use ---
     Intervention(
@@ -641,6 +672,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         remove_when="the hybrid-block-size-every-stage patch goes",
         params=("cls", "vllm_config"),
         issue="#6",
+        upstream_draft="none: a reliance on what vLLM already has; it goes with the entries that use it",
     ),
     Intervention(
         name="find-non-ssm-backends",
@@ -656,6 +688,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         remove_when="the hybrid-block-size-every-stage patch goes",
         params=("cls", "vllm_config"),
         issue="#16",
+        upstream_draft="none: a reliance on what vLLM already has; it goes with the entries that use it",
     ),
     Intervention(
         name="possible-fp8-block-kernels",
@@ -670,6 +703,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         upstream=_NO_HOOK,
         remove_when="the sm89-triton-fp8 patch goes",
         issue="#5",
+        upstream_draft="none: a reliance on what vLLM already has; it goes with the entries that use it",
     ),
     Intervention(
         name="w8a8-triton-block-scaled-mm",
@@ -681,6 +715,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         upstream=_NO_HOOK,
         remove_when="vLLM ships a tuner for this kernel on every card",
         issue="#5",
+        upstream_draft="none: a reliance on what vLLM already has; it goes with the entries that use it",
     ),
     Intervention(
         name="maybe-add-hidden-state",
@@ -692,6 +727,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         upstream=_NO_HOOK,
         remove_when="the qwen3-next-aux-hidden-relay patch goes",
         issue="#6",
+        upstream_draft="none: a reliance on what vLLM already has; it goes with the entries that use it",
     ),
     Intervention(
         name="tower-model-names",
@@ -703,6 +739,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         upstream=_NO_HOOK,
         remove_when="the vision-tower-first-rank-only patch goes",
         issue="#6",
+        upstream_draft="none: a reliance on what vLLM already has; it goes with the entries that use it",
     ),
     Intervention(
         name="dflash-rms-norm-eps",
@@ -720,6 +757,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         checks="vllm.model_executor.models.qwen3_dflash:DFlashQwen3Model._build_fused_kv_buffers",
         source_names=("self._rms_norm_eps =", "self._build_context_kv_buffers("),
         issue="#6",
+        upstream_draft="none: a reliance on what vLLM already has; it goes with the entries that use it",
     ),
     Intervention(
         name="custom-ops-rms-norm",
@@ -732,6 +770,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         remove_when="the dflash-quantized-context-kv-* patches go",
         params=("out", "input", "weight", "epsilon"),
         issue="#6",
+        upstream_draft="none: a reliance on what vLLM already has; it goes with the entries that use it",
     ),
     Intervention(
         name="has-own-embed-tokens",
@@ -747,5 +786,6 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         remove_when="the drafter-shares-target-embed patch goes",
         source_names=("has_own_embed_tokens", "_should_share"),
         issue="#6",
+        upstream_draft="none: a reliance on what vLLM already has; it goes with the entries that use it",
     ),
 )
