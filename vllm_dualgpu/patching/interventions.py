@@ -318,10 +318,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         params=("num_hidden_layers", "pp_rank", "pp_size"),
         source_names=("VLLM_PP_LAYER_PARTITION",),
         issue="#2",
-        upstream_draft=(
-            "none yet: a layer split in vLLM's config (uneven-memory-aware) is the next candidate"
-            " (upstream/README.md)"
-        ),
+        upstream_draft="upstream/pipeline-layer-partition",
     ),
     # --- config ---
     Intervention(
