@@ -5,6 +5,9 @@
 #   - the oldest (0.30.0, torch 2.13.0) and the newest (0.33.0, torch 2.14.0) release each get a
 #     venv, this package's wheel (built once, installed as users get it, not editable) and the
 #     full suite (VLLM_TARGET_DEVICE=cpu pytest);
+#   - after 0.33.0's suite, upstream/check.sh: every upstream/ draft still applies to vLLM
+#     0.33.0's sdist (downloaded once into TEST_VENVS/upstream, 47 MB) and the drafts' CPU tests
+#     pass against the patched files (about 1.5 min with the sdist cached);
 #   - the middle releases (0.31.0, 0.32.0) get the registry's static checks against their
 #     released sources (every entry in range: target, parameters, pinned source), without
 #     installing or importing them, and the sm hook's coverage report of their library where
@@ -135,6 +138,11 @@ for pair in $FULL; do
     rc=$?
     [ $rc = 5 ] && echo "pytest collected no tests"
     [ $rc = 0 ] || fail "suite on vLLM $version (pytest exit $rc)"
+    if [ "$version" = 0.33.0 ]; then
+        step "vLLM $version: upstream drafts (apply to the released sdist, CPU tests)"
+        UPSTREAM_CACHE="$VENVS/upstream" bash "$ROOT/upstream/check.sh" "$venv/bin/python" \
+            || fail "upstream drafts on vLLM $version"
+    fi
     [ "$KEEP" = 1 ] || rm -rf "$venv"
 done
 

@@ -69,6 +69,9 @@ class Patch:
     """Empty: applied wherever ``processes`` and the run say. ``"virtual-gpus"``: an emulation
     applied only in a worker whose hand-off gives it a virtual card (vllm_dualgpu.virtual_gpus),
     never otherwise."""
+    upstream_draft: str = ""
+    """The ``upstream/`` directory holding a pull request drafted against vLLM that would retire
+    this entry, or why there is none (shown in docs/patches.md; empty: not yet considered)."""
 
     @property
     def module(self) -> str:

@@ -63,6 +63,13 @@ def check_text(item) -> str:
     return text
 
 
+def draft_text(draft: str) -> str:
+    """An entry's ``upstream_draft`` in docs/patches.md: a draft's directory links its PR.md."""
+    import re
+
+    return re.sub(r"^upstream/([\w.-]+)", r"[`upstream/\1`](../upstream/\1/PR.md)", draft)
+
+
 def render_interventions() -> str:
     out = [INTERVENTIONS_HEADER, f"{len(INTERVENTIONS)} intervention(s).\n"]
     for i in INTERVENTIONS:
@@ -75,6 +82,8 @@ def render_interventions() -> str:
         out.append(f"- **Why:** {i.why}\n")
         out.append(f"- **Upstream:** {i.upstream}\n")
         out.append(f"- **Remove when:** {i.remove_when}\n")
+        if i.upstream_draft:
+            out.append(f"- **Upstream draft:** {draft_text(i.upstream_draft)}\n")
         if i.issue:
             out.append(f"- **Project issue:** {i.issue}\n")
     return "".join(out)
@@ -155,6 +164,8 @@ def render() -> str:
         out.append(f"- **Remove when:** {p.remove_when}\n")
         if p.fixed_in:
             out.append(f"- **Fixed upstream:** vLLM {p.fixed_in}; the range ends there\n")
+        if p.upstream_draft:
+            out.append(f"- **Upstream draft:** {draft_text(p.upstream_draft)}\n")
         if p.issue:
             out.append(f"- **Project issue:** {p.issue}\n")
     out.append(render_interventions())

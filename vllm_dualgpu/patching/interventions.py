@@ -71,6 +71,9 @@ class Intervention:
     requires: str = ""
     """A package the checked vLLM module needs to import (``ray`` for vLLM's Ray executor):
     where it is not installed the intervention is not applicable (NOT_HERE), not MISSING."""
+    upstream_draft: str = ""
+    """The ``upstream/`` directory holding a pull request drafted against vLLM that would retire
+    this entry, or why there is none (shown in docs/patches.md)."""
 
     @property
     def check_target(self) -> str:
@@ -243,6 +246,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         upstream="none (vLLM configures logging per LoggingConfig since 0.33)",
         remove_when="the plugin logs through a hook vLLM calls once logging is configured",
         issue="#16",
+        upstream_draft="none: a reliance on what vLLM already has; it goes with the entries that use it",
     ),
     # --- native hook ---
     Intervention(
@@ -262,6 +266,10 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         remove_when="vLLM's get_sm_version_num() answers for the current device",
         probe="vllm_dualgpu.patching.interventions:probe_native_symbol",
         issue="#4",
+        upstream_draft=(
+            "upstream/per-device-capability (its csrc/cutlass_extensions/common.hpp change; "
+            "vLLM's library must be rebuilt)"
+        ),
     ),
     # --- environment ---
     Intervention(
@@ -279,6 +287,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         remove_when="the CuTe DSL detects the current device instead of device 0",
         probe="vllm_dualgpu.patching.interventions:probe_cute_dsl_arch",
         issue="#4",
+        upstream_draft="none: the CuTe DSL is NVIDIA's library, not vLLM",
     ),
     Intervention(
         name="cuda-device-order",
@@ -297,6 +306,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         params=("cls", "device_id"),
         source_names=("device_control_env_var",),
         issue="#2",
+        upstream_draft="none: a reliance on what vLLM already has; it goes with the entries that use it",
     ),
     Intervention(
         name="pp-layer-partition",
@@ -314,6 +324,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         params=("num_hidden_layers", "pp_rank", "pp_size"),
         source_names=("VLLM_PP_LAYER_PARTITION",),
         issue="#2",
+        upstream_draft="upstream/pipeline-layer-partition",
     ),
     # --- config ---
     Intervention(
@@ -331,6 +342,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         checks="vllm.v1.executor.multiproc_executor:WorkerProc.worker_main",
         source_names=("assigned_physical_gpu_ids", "set_assigned_physical_gpu_ids"),
         issue="#2",
+        upstream_draft="none: a reliance on what vLLM already has; it goes with the entries that use it",
     ),
     # --- dualgpu-ray (docs/multi-node.md) ---
     Intervention(
@@ -351,6 +363,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
                       "sorted(node_physical_gpu_ids[node_id])"),
         issue="#20",
         requires="ray",
+        upstream_draft="none: a reliance on what vLLM already has; it goes with the entries that use it",
     ),
     Intervention(
         name="ray-placement-group-reused",
@@ -368,6 +381,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         source_names=("parallel_config.placement_group",),
         issue="#20",
         requires="ray",
+        upstream_draft="none: a reliance on what vLLM already has; it goes with the entries that use it",
     ),
     Intervention(
         name="ray-node-gpu-order",
@@ -385,6 +399,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         checks=f"{_WORKER}.init_device",
         source_names=("assigned_physical_gpu_ids", "set_assigned_physical_gpu_ids"),
         issue="#20",
+        upstream_draft="none: a reliance on what vLLM already has; it goes with the entries that use it",
     ),
     Intervention(
         name="ray-worker-backend-name",
@@ -402,6 +417,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         checks=f"{_WORKER}.init_device",
         source_names=('"ray"', "local_world_size"),
         issue="#20",
+        upstream_draft="none: a reliance on what vLLM already has; it goes with the entries that use it",
     ),
     Intervention(
         name="flashinfer-autotune-off",
@@ -420,6 +436,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         checks="vllm.model_executor.warmup.kernel_warmup:kernel_warmup",
         source_names=("enable_flashinfer_autotune",),
         issue="#5",
+        upstream_draft="none: vLLM PR #57198 (open) tunes per pipeline stage group",
     ),
     Intervention(
         name="gpu-memory-utilization-floor",
@@ -437,6 +454,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         checks="vllm.v1.worker.utils:request_memory",
         source_names=("gpu_memory_utilization", "free_memory"),
         issue="#3",
+        upstream_draft="upstream/per-rank-memory-reserve",
     ),
     # --- worker class ---
     Intervention(
@@ -454,6 +472,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         remove_when="vLLM takes a per-rank memory budget",
         checks=_WORKER,
         issue="#3",
+        upstream_draft="upstream/per-rank-memory-reserve",
     ),
     *(
         Intervention(
@@ -467,6 +486,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
             remove_when="the worker class goes (see worker-class)",
             params=params,
             issue="#3",
+            upstream_draft="upstream/per-rank-memory-reserve",
         )
         for method, params in (
             ("init_device", ("self",)),
@@ -488,6 +508,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         checks=f"{_WORKER}.init_device",
         source_names=("self.init_snapshot",),
         issue="#3",
+        upstream_draft="upstream/per-rank-memory-reserve",
     ),
     Intervention(
         name="worker-requested-memory",
@@ -504,6 +525,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         checks=f"{_WORKER}.determine_available_memory",
         source_names=("self.requested_memory",),
         issue="#3",
+        upstream_draft="upstream/per-rank-memory-reserve",
     ),
     *(
         Intervention(
@@ -518,6 +540,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
             checks=f"{module}:GPUModelRunner.load_model",
             source_names=("self.model_memory_usage",),
             issue="#3",
+            upstream_draft="none: a reliance on what vLLM already has; it goes with the entries that use it",
         )
         for suffix, runner, module in (
             ("", "v1", "vllm.v1.worker.gpu_model_runner"),
@@ -540,6 +563,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         checks="vllm.v1.worker.gpu.pp_utils:PPHandler.__init__",
         source_names=("self.broadcast_group",),
         issue="#3",
+        upstream_draft="none: a reliance on what vLLM already has; it goes with the entries that use it",
     ),
     # --- private vLLM functions: the context check and the KV grouping patch ---
     *(
@@ -557,6 +581,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
             "and groups KV layers per rank",
             params=params,
             issue="#3",
+            upstream_draft="none: a reliance on what vLLM already has; it goes with the entries that use it",
         )
         for module, versions, suffix, fn, params, why in (
             (_KV, V030_032, "", "_project_kv_cache_groups_to_worker", ("global_kv_cache_groups", "worker_spec"),
@@ -604,6 +629,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         upstream=_NO_HOOK,
         remove_when="never (vLLM's own field; the check pins the name)",
         issue="#15",
+        upstream_draft="none: a reliance on what vLLM already has; it goes with the entries that use it",
     ),
     Intervention(
         name="user-specified-block-size",
@@ -618,6 +644,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         upstream=_NO_HOOK,
         remove_when="never (vLLM's own field; the check pins its name)",
         issue="#3",
+        upstream_draft="none: a reliance on what vLLM already has; it goes with the entries that use it",
     ),
     Intervention(
         name="is-mm-prefix-lm",
@@ -632,6 +659,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         upstream=_NO_HOOK,
         remove_when="the hybrid-block-size-every-stage patch goes",
         issue="#6",
+        upstream_draft="none: a reliance on what vLLM already has; it goes with the entries that use it",
     ),
     # --- private vLLM names the patch bodies use ---
     Intervention(
@@ -649,6 +677,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         remove_when="the hybrid-block-size-every-stage patch goes",
         params=("cls", "vllm_config"),
         issue="#6",
+        upstream_draft="none: a reliance on what vLLM already has; it goes with the entries that use it",
     ),
     Intervention(
         name="find-non-ssm-backends",
@@ -664,6 +693,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         remove_when="the hybrid-block-size-every-stage patch goes",
         params=("cls", "vllm_config"),
         issue="#16",
+        upstream_draft="none: a reliance on what vLLM already has; it goes with the entries that use it",
     ),
     Intervention(
         name="possible-fp8-block-kernels",
@@ -678,6 +708,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         upstream=_NO_HOOK,
         remove_when="the sm89-triton-fp8 patch goes",
         issue="#5",
+        upstream_draft="none: a reliance on what vLLM already has; it goes with the entries that use it",
     ),
     Intervention(
         name="w8a8-triton-block-scaled-mm",
@@ -689,6 +720,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         upstream=_NO_HOOK,
         remove_when="vLLM ships a tuner for this kernel on every card",
         issue="#5",
+        upstream_draft="none: a reliance on what vLLM already has; it goes with the entries that use it",
     ),
     Intervention(
         name="maybe-add-hidden-state",
@@ -700,6 +732,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         upstream=_NO_HOOK,
         remove_when="the qwen3-next-aux-hidden-relay patch goes",
         issue="#6",
+        upstream_draft="none: a reliance on what vLLM already has; it goes with the entries that use it",
     ),
     Intervention(
         name="tower-model-names",
@@ -711,6 +744,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         upstream=_NO_HOOK,
         remove_when="the vision-tower-first-rank-only patch goes",
         issue="#6",
+        upstream_draft="none: a reliance on what vLLM already has; it goes with the entries that use it",
     ),
     Intervention(
         name="dflash-rms-norm-eps",
@@ -728,6 +762,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         checks="vllm.model_executor.models.qwen3_dflash:DFlashQwen3Model._build_fused_kv_buffers",
         source_names=("self._rms_norm_eps =", "self._build_context_kv_buffers("),
         issue="#6",
+        upstream_draft="none: a reliance on what vLLM already has; it goes with the entries that use it",
     ),
     Intervention(
         name="custom-ops-rms-norm",
@@ -740,6 +775,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         remove_when="the dflash-quantized-context-kv-* patches go",
         params=("out", "input", "weight", "epsilon"),
         issue="#6",
+        upstream_draft="none: a reliance on what vLLM already has; it goes with the entries that use it",
     ),
     Intervention(
         name="has-own-embed-tokens",
@@ -755,5 +791,6 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         remove_when="the drafter-shares-target-embed patch goes",
         source_names=("has_own_embed_tokens", "_should_share"),
         issue="#6",
+        upstream_draft="none: a reliance on what vLLM already has; it goes with the entries that use it",
     ),
 )

@@ -26,6 +26,31 @@ V031_033 = ">=0.31.0,<0.34"
 V032_033 = ">=0.32.0,<0.34"
 V033 = ">=0.33.0,<0.34"
 
+# Why an entry has no draft in upstream/ (the field upstream_draft; upstream/README.md).
+NO_DRAFT_EXECUTOR_NAME = (
+    "none: the plugin's own executor name; upstream would need a registry of executor names "
+    "for plugins, a design question rather than a fix"
+)
+NO_DRAFT_ENV_VARS = (
+    "none: the plugin's own variables; upstream would need a way for plugins to declare them"
+)
+NO_DRAFT_DEVICE_NAMES = (
+    "none yet: the follow-up of upstream/per-device-capability (names feed @cache'd tuned-config "
+    "lookups, so the change is larger)"
+)
+NO_DRAFT_KV_GROUPS = (
+    "none yet: the grouping is chosen by the tightest rank's memory, which vLLM's KV planner does "
+    "not see before upstream/per-rank-memory-reserve; a larger change"
+)
+NO_DRAFT_AUX_RELAY = (
+    "none: vLLM PR #45985 (open) relays auxiliary hidden states for every EAGLE3 model"
+)
+NO_DRAFT_HYBRID_BLOCK = (
+    "none yet: a small change to update_block_size_for_backend, but it needs a hybrid model run "
+    "under PP on GPUs to show the mismatch"
+)
+NO_DRAFT_PARSER = "none yet: a tool-parser fix, outside the mismatched-GPU pieces drafted first"
+
 PATCHES: tuple[Patch, ...] = (
     Patch(
         name="executor-by-name",
@@ -46,6 +71,7 @@ PATCHES: tuple[Patch, ...] = (
         factory="vllm_dualgpu.patches.arg_utils:wrap_create_engine_config",
         params=("self", "usage_context", "headless"),
         issue="#2",
+        upstream_draft=NO_DRAFT_EXECUTOR_NAME,
     ),
     Patch(
         name="dualgpu-needs-supported-vllm",
@@ -66,6 +92,7 @@ PATCHES: tuple[Patch, ...] = (
         factory="vllm_dualgpu.patches.arg_utils:wrap_create_engine_config_unsupported",
         params=("self", "usage_context", "headless"),
         issue="#16",
+        upstream_draft=NO_DRAFT_EXECUTOR_NAME,
     ),
     Patch(
         name="known-env-vars",
@@ -83,6 +110,7 @@ PATCHES: tuple[Patch, ...] = (
         factory="vllm_dualgpu.patches.vllm_envs:wrap_validate_environ",
         params=("hard_fail",),
         issue="#3",
+        upstream_draft=NO_DRAFT_ENV_VARS,
     ),
     Patch(
         name="known-env-vars-031",
@@ -102,6 +130,7 @@ PATCHES: tuple[Patch, ...] = (
         factory="vllm_dualgpu.patches.vllm_envs:wrap_platform_validate_environ",
         params=("cls", "hard_fail"),
         issue="#3",
+        upstream_draft=NO_DRAFT_ENV_VARS,
     ),
     # --- memory accounting (issue #3) ---
     # --- per-rank device identity (issue #4) ---
@@ -123,6 +152,7 @@ PATCHES: tuple[Patch, ...] = (
         factory="vllm_dualgpu.patches.device_identity:wrap_get_device_capability",
         params=("cls", "device_id"),
         issue="#4",
+        upstream_draft="upstream/per-device-capability",
     ),
     Patch(
         name="capability-per-rank-nonnvml",
@@ -138,6 +168,7 @@ PATCHES: tuple[Patch, ...] = (
         factory="vllm_dualgpu.patches.device_identity:wrap_get_device_capability",
         params=("cls", "device_id"),
         issue="#4",
+        upstream_draft="upstream/per-device-capability",
     ),
     Patch(
         name="device-name-per-rank",
@@ -156,6 +187,7 @@ PATCHES: tuple[Patch, ...] = (
         factory="vllm_dualgpu.patches.device_identity:wrap_nvml_get_device_name",
         params=("cls", "device_id"),
         issue="#4",
+        upstream_draft=NO_DRAFT_DEVICE_NAMES,
     ),
     Patch(
         name="device-name-per-rank-nonnvml",
@@ -171,6 +203,7 @@ PATCHES: tuple[Patch, ...] = (
         factory="vllm_dualgpu.patches.device_identity:wrap_visible_get_device_name",
         params=("cls", "device_id"),
         issue="#4",
+        upstream_draft=NO_DRAFT_DEVICE_NAMES,
     ),
     Patch(
         name="config-file-name-per-rank",
@@ -194,6 +227,7 @@ PATCHES: tuple[Patch, ...] = (
             "vllm.model_executor.layers.mamba.ops.mamba_ssm",
         ),
         issue="#4",
+        upstream_draft=NO_DRAFT_DEVICE_NAMES,
     ),
     # --- Triton FP8 configs (issue #5) ---
     Patch(
@@ -220,6 +254,10 @@ PATCHES: tuple[Patch, ...] = (
         params=("N", "K", "block_n", "block_k"),
         issue="#5",
         optional=True,
+        upstream_draft=(
+            "none yet: needs the device-name follow-up first (configs are looked up by the name "
+            "of device 0, cached), then a user config folder for block FP8"
+        ),
     ),
     Patch(
         name="sm89-triton-fp8",
@@ -245,6 +283,10 @@ PATCHES: tuple[Patch, ...] = (
         params=("config", "possible_kernels", "compute_capability", "force_kernel", "quantization"),
         issue="#5",
         optional=True,
+        upstream_draft=(
+            "none yet: upstream chose Marlin first on purpose (vLLM PR #40105); a draft needs "
+            "SM89 prefill and decode measurements on vLLM's benchmarks"
+        ),
     ),
     # --- speculative decoding under PP (issue #6) ---
     Patch(
@@ -266,6 +308,10 @@ PATCHES: tuple[Patch, ...] = (
         factory="vllm_dualgpu.patches.config_vllm:wrap_max_concurrent_batches",
         params=("self",),
         issue="#6",
+        upstream_draft=(
+            "none yet: vLLM issue #53402 is open; a draft needs a GPU run of MTP under PP with "
+            "async scheduling to show the spin"
+        ),
     ),
     Patch(
         name="drafter-shares-target-embed",
@@ -287,6 +333,10 @@ PATCHES: tuple[Patch, ...] = (
         params=("draft_model", "draft_inner", "target_inner"),
         copies=("vllm.v1.worker.gpu.spec_decode.dflash.utils",),
         issue="#6",
+        upstream_draft=(
+            "upstream/pp-drafter-shares-target-embed (the quantized target embedding without "
+            ".weight is not in it: a separate fix of _should_share)"
+        ),
     ),
     Patch(
         name="kv-groups-know-ranks",
@@ -303,6 +353,7 @@ PATCHES: tuple[Patch, ...] = (
         params=("vllm_config", "kv_cache_specs", "available_memory"),
         copies=("vllm.v1.engine.core",),
         issue="#6",
+        upstream_draft=NO_DRAFT_KV_GROUPS,
     ),
     Patch(
         name="kv-groups-know-ranks-033",
@@ -323,6 +374,7 @@ PATCHES: tuple[Patch, ...] = (
         params=("vllm_config", "kv_cache_specs", "available_memory", "global_kv_cache_groups"),
         copies=("vllm.v1.engine.core",),
         issue="#6",
+        upstream_draft=NO_DRAFT_KV_GROUPS,
     ),
     Patch(
         name="kv-groups-without-padding",
@@ -344,6 +396,7 @@ PATCHES: tuple[Patch, ...] = (
         factory="vllm_dualgpu.patches.kv_cache_utils:wrap_get_kv_cache_groups_uniform_page_size",
         params=("kv_cache_spec",),
         issue="#6",
+        upstream_draft=NO_DRAFT_KV_GROUPS,
     ),
     Patch(
         name="kv-groups-without-padding-033",
@@ -362,6 +415,7 @@ PATCHES: tuple[Patch, ...] = (
         factory="vllm_dualgpu.patches.kv_cache_utils:wrap_get_kv_cache_groups_uniform_page_size",
         params=("kv_cache_spec",),
         issue="#6",
+        upstream_draft=NO_DRAFT_KV_GROUPS,
     ),
     Patch(
         name="kv-drafter-pages-promoted",
@@ -383,6 +437,7 @@ PATCHES: tuple[Patch, ...] = (
         factory="vllm_dualgpu.patches.kv_cache_utils:wrap_unify_kv_cache_spec_page_size",
         params=("kv_cache_spec",),
         issue="#6",
+        upstream_draft=NO_DRAFT_KV_GROUPS,
     ),
     Patch(
         name="kv-drafter-pages-promoted-033",
@@ -398,6 +453,7 @@ PATCHES: tuple[Patch, ...] = (
         factory="vllm_dualgpu.patches.kv_cache_utils:wrap_unify_kv_cache_spec_page_size",
         params=("kv_cache_spec",),
         issue="#6",
+        upstream_draft=NO_DRAFT_KV_GROUPS,
     ),
     Patch(
         name="vision-tower-first-rank-only",
@@ -419,6 +475,7 @@ PATCHES: tuple[Patch, ...] = (
         issue="#6",
         fixed_in="0.33.0: SupportsMultiModal._mark_tower_model marks the towers missing on "
         "pipeline stages after the first under Model Runner V2 (models/interfaces.py:346)",
+        upstream_draft="none needed: fixed upstream in vLLM 0.33.0",
     ),
     Patch(
         name="hybrid-block-size-every-stage",
@@ -439,6 +496,7 @@ PATCHES: tuple[Patch, ...] = (
         params=("cls", "vllm_config"),
         issue="#6",
         source_sha256="91c248cdc7443f36b74f3ca3b08b38dd864dcff6cbfac7113bfe8b8bf9b2dd8c",
+        upstream_draft=NO_DRAFT_HYBRID_BLOCK,
     ),
     Patch(
         name="hybrid-block-size-every-stage-031",
@@ -457,6 +515,7 @@ PATCHES: tuple[Patch, ...] = (
         params=("cls", "vllm_config"),
         issue="#6",
         source_sha256="b7e65a3cbe5862fb146b0f3120afc32310279f73c0463198bdc9fcda23aaecaa",
+        upstream_draft=NO_DRAFT_HYBRID_BLOCK,
     ),
     Patch(
         name="hybrid-block-size-every-stage-032",
@@ -474,6 +533,7 @@ PATCHES: tuple[Patch, ...] = (
         params=("cls", "vllm_config"),
         issue="#6",
         source_sha256="2176a735a4d8ae41b91c904a605d16f3d9a28b113e299f37a0398f598daa0916",
+        upstream_draft=NO_DRAFT_HYBRID_BLOCK,
     ),
     Patch(
         name="dflash-quantized-context-kv-build",
@@ -496,6 +556,7 @@ PATCHES: tuple[Patch, ...] = (
         issue="#6",
         fixed_in="0.31.0: _build_context_kv_buffers keeps the qkv projections and fuses only "
         "unquantized ones (models/qwen3_dflash.py:505)",
+        upstream_draft="none needed: fixed upstream in vLLM 0.31.0",
     ),
     Patch(
         name="dflash-quantized-context-kv-project",
@@ -515,6 +576,7 @@ PATCHES: tuple[Patch, ...] = (
         issue="#6",
         fixed_in="0.31.0: _project_context_kv runs each quantized projection through its "
         "quant method (models/qwen3_dflash.py:581)",
+        upstream_draft="none needed: fixed upstream in vLLM 0.31.0",
     ),
     Patch(
         name="qwen3-next-aux-hidden-relay",
@@ -541,6 +603,7 @@ PATCHES: tuple[Patch, ...] = (
         params=("self", "input_ids", "positions", "intermediate_tensors", "inputs_embeds"),
         issue="#6",
         source_sha256="75c9cf51e414ead3d32d6ffb36698468a6b8821ff02ce1903fcd4f7f49483e61",
+        upstream_draft=NO_DRAFT_AUX_RELAY,
     ),
     Patch(
         name="qwen3-next-aux-hidden-flag",
@@ -561,6 +624,7 @@ PATCHES: tuple[Patch, ...] = (
         factory="vllm_dualgpu.patches.models_interfaces:wrap_set_aux_hidden_state_layers",
         params=("self", "layers"),
         issue="#6",
+        upstream_draft=NO_DRAFT_AUX_RELAY,
     ),
     Patch(
         name="qwen3-5-aux-hidden-layers",
@@ -583,6 +647,7 @@ PATCHES: tuple[Patch, ...] = (
         params=("self", "layers"),
         issue="#6",
         source_sha256="445fa3c254ff474d21e24d3165797d9544be253fe9ae3fb8dca723b27df55c44",
+        upstream_draft=NO_DRAFT_AUX_RELAY,
     ),
     Patch(
         name="qwen3-next-embed-quant-config",
@@ -615,6 +680,7 @@ PATCHES: tuple[Patch, ...] = (
             "parallel_group",
         ),
         issue="#6",
+        upstream_draft="none: vLLM PR #45994 (open) is that change",
     ),
     Patch(
         name="qwen3-next-embed-quant-config-032",
@@ -646,6 +712,7 @@ PATCHES: tuple[Patch, ...] = (
             "parallel_group",
         ),
         issue="#6",
+        upstream_draft="none: vLLM PR #45994 (open) is that change",
     ),
     # --- tool-call parser fixes of the reference setup (issue #16 item 5) ---
     # Front end, every executor (tool calls are parsed in the API server), so each names the
@@ -680,6 +747,7 @@ PATCHES: tuple[Patch, ...] = (
         optional=True,
         source_sha256="9abcae3623781596891f89c36fb9bc41eecbab83d29441b88dc0a8ecc3a4e3c1",
         opt_out=TOOL_PARSER_FIXES,
+        upstream_draft="none: vLLM PR #53739 (open) is that change",
     ),
     Patch(
         name="qwen3-xml-param-text-in-value",
@@ -708,6 +776,7 @@ PATCHES: tuple[Patch, ...] = (
         optional=True,
         source_sha256="9c96f2737147c6245b1c69572a2b6ca25c238b7f8189fc6bceb4b669c2aa4598",
         opt_out=TOOL_PARSER_FIXES,
+        upstream_draft=NO_DRAFT_PARSER,
     ),
     Patch(
         name="qwen3-xml-param-text-in-value-streamed",
@@ -730,6 +799,7 @@ PATCHES: tuple[Patch, ...] = (
         optional=True,
         source_sha256="718f1a582b7ad787d3537bd3dcbe15ebad08962d472ef97d8f1b9177f00ab9f4",
         opt_out=TOOL_PARSER_FIXES,
+        upstream_draft=NO_DRAFT_PARSER,
     ),
     # --- serve-time help and errors (issue #17) ---
     Patch(
@@ -751,6 +821,7 @@ PATCHES: tuple[Patch, ...] = (
         params=("parser",),
         issue="#17",
         optional=True,
+        upstream_draft=NO_DRAFT_EXECUTOR_NAME,
     ),
     # --- virtual GPUs: an emulation for tests, applied only where asked (issue #23) ---
     # VLLM_DUALGPU_VIRTUAL_GPUS gives each rank a virtual card on one physical GPU; a worker
@@ -769,6 +840,7 @@ PATCHES: tuple[Patch, ...] = (
             params=params,
             issue="#23",
             when=VIRTUAL_GPUS,
+            upstream_draft="none: an emulation for tests (several cards on one GPU), not a change vLLM needs",
         )
         for name, target, factory, params, why in (
             ("virtual-gpus-memory-info", "torch.accelerator:get_memory_info", "wrap_memory_info",
