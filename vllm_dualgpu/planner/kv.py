@@ -379,6 +379,78 @@ class KVLayout:
         layout._index()
         return layout
 
+    def per_rank_grouping(self, partition, memory, max_model_len: int) -> KVLayout:
+        """The grouping the package's KV patches give this layout's layers under the dualgpu
+        executor with PP > 1 (patches/kv_cache_utils.choose_grouping, kv-groups-without-padding):
+        among vLLM's own grouping (this layout's) and groupings that cut each spec bucket into the
+        fewest groups holding at most ``cap`` layers on any one rank (``b[i::n]``, layers rank by
+        rank), none with more groups than vLLM's, the one whose ``max_model_len`` request needs
+        the smallest share of the tightest rank's KV ``memory`` (bytes per block of the rank x
+        blocks per request, as vLLM's ``_max_memory_usage_bytes_from_groups`` measures it); on a
+        tie vLLM's grouping, then fewer groups. ``partition``: target layers per rank (the
+        drafter's on the last rank); ``memory``: each rank's KV bytes. Returns this layout when
+        vLLM's grouping wins or it has one group."""
+        if self.grouping != "hybrid" or len(self.groups) < 2:
+            return self
+        bounds, start = [], 0
+        for n in partition:
+            bounds.append((start, start + n))
+            start += n
+        last = len(bounds) - 1
+
+        def rank_of(s: KVSlot) -> int:
+            if s.layer_index is None:
+                return last
+            return next(r for r, (a, b) in enumerate(bounds) if a <= s.layer_index < b)
+
+        buckets: dict[tuple, list[int]] = {}
+        for i, s in enumerate(self.slots):
+            buckets.setdefault(s.spec_key, []).append(i)
+        # vLLM's merged spec lists the layers rank by rank (each rank's in model order)
+        for key in buckets:
+            buckets[key].sort(key=lambda i: (rank_of(self.slots[i]), i))
+        per_rank = {key: [sum(1 for i in b if rank_of(self.slots[i]) == r) for r in range(len(bounds))]
+                    for key, b in buckets.items()}
+
+        def cost(layout: KVLayout) -> float:
+            per_req = layout.blocks_per_request(max_model_len)
+            worst = 0.0
+            for r, (a, b) in enumerate(bounds):
+                bpb = layout.bytes_per_block(a, b, r == last)
+                if bpb:
+                    worst = max(worst, bpb * per_req / max(memory[r], 1))
+            return worst
+
+        mamba_blocks = (2 if self.mamba_cache_mode == "align" else 1) + self.num_speculative_tokens
+        candidates = [(round(cost(self), 12), 0, len(self.groups), self)]
+        most = max(max(c) for c in per_rank.values())
+        for cap in range(1, most + 1):
+            groups: list[KVGroup] = []
+            for key, members in buckets.items():
+                n = min(max(1, max(cdiv(c, cap) for c in per_rank[key])), len(members))
+                for i in range(n):
+                    part = tuple(members[i::n])
+                    s0 = self.slots[part[0]]
+                    if s0.kind == "mamba":
+                        groups.append(KVGroup("mamba", part, 0, mamba_blocks))
+                    else:
+                        groups.append(KVGroup("attention", part, s0.tokens_per_block, 0))
+            if len(groups) > len(self.groups):
+                continue
+            layout = replace(self, groups=groups, grouping="dualgpu", notes=list(self.notes),
+                             raw_slots=list(self.raw_slots))
+            layout._index()
+            candidates.append((round(cost(layout), 12), 1, len(groups), layout))
+        best = min(candidates, key=lambda c: c[:3])[3]
+        if best is not self:
+            sizes = "/".join(sorted({str(len(g.members)) for g in best.groups}, key=int))
+            best.notes = [n for n in best.notes if "drafter's attention layers have their own KV spec" not in n]
+            best.notes.append(
+                f"with PP > 1 the dualgpu executor groups the {len(best.slots)} KV layers into "
+                f"{len(best.groups)} groups of {sizes} layers instead of vLLM's {len(self.groups)} "
+                "(its KV patches: fewer layers of one group on the tightest rank)")
+        return best
+
     def same_grouping(self, other: KVLayout) -> bool:
         """Whether ``other`` groups the same layers together with the same pages and blocks."""
         def key(lay: KVLayout):

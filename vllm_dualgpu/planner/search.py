@@ -67,6 +67,9 @@ class PlanRequest:
     language_model_only: bool = False
     vision_on_every_rank: bool = False
     drafter_shares_embedding: bool = False
+    kv_grouping: str = "stock"
+    """"dualgpu": the KV cache is grouped as the package's KV patches group it under the dualgpu
+    executor with PP > 1 (:meth:`KVLayout.per_rank_grouping`); "stock": as stock vLLM groups it."""
     decode_context_tokens: int | None = None
     kernel_block_alignment: int = DEFAULT_KERNEL_BLOCK_ALIGNMENT
     memory: MemoryModel = field(default_factory=MemoryModel)
@@ -604,7 +607,36 @@ def _fit_or_raise(f: Fit) -> Plan:
     return f.plan
 
 
+#: Rounds of "group for this split, search again" (the grouping depends on the split it is
+#: formed for); the executor's pricing with vLLM's functions takes as many (engine/kv_pricing.py).
+GROUPING_ROUNDS = 3
+
+
 def fit(
+    model: ModelSpec, gpus: list[GpuFacts], request: PlanRequest | None = None, *,
+    kv_layout: KVLayout | None = None, _check_stock: bool = False
+) -> Fit:
+    """See :func:`_fit_once`. With ``request.kv_grouping == "dualgpu"`` (and no ``kv_layout``),
+    the KV cache is grouped as the package's KV patches group it for the chosen split and each
+    rank's KV budget, and the split searched again with that grouping until it keeps it, as
+    the executor does with vLLM's own functions (engine/kv_pricing.reprice)."""
+    f = _fit_once(model, gpus, request, kv_layout=kv_layout, _check_stock=_check_stock)
+    request = request or PlanRequest()
+    if kv_layout is not None or request.kv_grouping != "dualgpu" or f.plan.passthrough:
+        return f
+    length = f.requested_max_model_len or model.max_position_embeddings
+    tried: list[tuple[int, ...]] = []
+    for round_ in range(GROUPING_ROUNDS):
+        p = f.plan
+        layout = p.kv.per_rank_grouping(p.partition, [r.kv_budget_bytes for r in p.ranks], length)
+        if layout.same_grouping(p.kv) or round_ == GROUPING_ROUNDS - 1 or tuple(p.partition) in tried:
+            break
+        tried.append(tuple(p.partition))
+        f = _fit_once(model, gpus, request, kv_layout=layout, _check_stock=_check_stock)
+    return f
+
+
+def _fit_once(
     model: ModelSpec, gpus: list[GpuFacts], request: PlanRequest | None = None, *,
     kv_layout: KVLayout | None = None, _check_stock: bool = False
 ) -> Fit:
