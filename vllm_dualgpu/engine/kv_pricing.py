@@ -48,7 +48,7 @@ class VllmPool:
 def layer_specs(vllm_config, layout) -> dict:
     """vLLM's spec for every layer the planner sized (``layout.raw_slots``, before unification)."""
     from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, get_kv_quant_mode
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec, get_kv_quant_mode
 
     from vllm_dualgpu.planner.kv import dtype_bytes
 
@@ -67,8 +67,13 @@ def layer_specs(vllm_config, layout) -> dict:
         _, heads, head_dim, kvb, block, pad = s.spec_key
         if kvb != element or pad is not None:
             raise NotPriceable(f"{s.name}: a KV dtype ({kvb} bytes) other than the cache's ({element})")
-        spec = FullAttentionSpec(block_size=block, num_kv_heads=heads, head_size=head_dim,
-                                 dtype=torch_dtype, kv_quant_mode=quant_mode)
+        if s.sliding_window:  # a DFlash drafter's sliding-window layer
+            spec = SlidingWindowSpec(block_size=block, num_kv_heads=heads, head_size=head_dim,
+                                     dtype=torch_dtype, kv_quant_mode=quant_mode,
+                                     sliding_window=s.sliding_window)
+        else:
+            spec = FullAttentionSpec(block_size=block, num_kv_heads=heads, head_size=head_dim,
+                                     dtype=torch_dtype, kv_quant_mode=quant_mode)
         if spec.page_size_bytes != s.page_bytes:
             raise NotPriceable(f"{s.name}: vLLM's page is {spec.page_size_bytes:,} bytes, the "
                                f"planner's {s.page_bytes:,}")
@@ -123,7 +128,7 @@ def rank_specs(specs: dict, layout, partition) -> list[dict]:
 
 def priced_groups(vllm_config, groups) -> list:
     """vLLM's KV cache groups as the planner's plain :class:`PricedGroup` data."""
-    from vllm.v1.kv_cache_interface import MambaSpec, UniformTypeKVCacheSpecs
+    from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec, UniformTypeKVCacheSpecs
 
     from vllm_dualgpu.planner import PricedGroup
 
@@ -137,6 +142,9 @@ def priced_groups(vllm_config, groups) -> list:
         if isinstance(spec, MambaSpec):
             const = spec.max_memory_usage_bytes(vllm_config) // spec.page_size_bytes
             out.append(PricedGroup("mamba", names, pages, 0, const))
+        elif isinstance(spec, SlidingWindowSpec):  # keeps window - 1 + the tokens in flight
+            keep = spec.sliding_window - 1 + spec.extra_retained_tokens + vllm_config.max_in_flight_tokens
+            out.append(PricedGroup("attention", names, pages, spec.block_size, 0, keep))
         else:
             out.append(PricedGroup("attention", names, pages, spec.block_size, 0))
     return out

@@ -318,6 +318,10 @@ class _Context:
         self.drafter = DrafterSpec.from_speculative(request.speculative, model)
         num_spec = self.drafter.num_speculative_tokens if self.drafter else 0
         mode = request.mamba_cache_mode or ("align" if request.enable_prefix_caching else "none")
+        dev0 = gpus_by_index[min(gpus_by_index)]
+        d_tok, d_seq = default_batch_limits(dev0.total_bytes, dev0.name)
+        self.max_num_batched_tokens = request.max_num_batched_tokens or d_tok
+        self.max_num_seqs = request.max_num_seqs or d_seq
         self.kv = kv_layout or KVLayout.build(
             model,
             kv_cache_dtype=request.kv_cache_dtype,
@@ -329,11 +333,10 @@ class _Context:
             mamba_ssm_cache_dtype=request.mamba_ssm_cache_dtype,
             mamba_cache_mode=mode,
             kernel_block_alignment=request.kernel_block_alignment,
+            # VllmConfig.max_in_flight_tokens: one batch per stage in flight (max_concurrent_batches
+            # is the PP size under the dualgpu executor, patch pp-inflight-batches)
+            max_in_flight_tokens=pp * self.max_num_batched_tokens,
         )
-        dev0 = gpus_by_index[min(gpus_by_index)]
-        d_tok, d_seq = default_batch_limits(dev0.total_bytes, dev0.name)
-        self.max_num_batched_tokens = request.max_num_batched_tokens or d_tok
-        self.max_num_seqs = request.max_num_seqs or d_seq
         self.vision = model.has_vision and not request.language_model_only
 
         # Prefix sums over the decoder layers: layers [start, end) cost x[end] - x[start].
