@@ -34,6 +34,24 @@ def vllm_logging_configured_once():
     ensure_vllm_logging()
 
 
+@pytest.fixture(autouse=True, scope="session")
+def gpu_run_properties(record_testsuite_property):
+    """On a GPU machine, the JUnit file names the vLLM release and the pair the PP=2 tests ran
+    on (two GPUs, or the virtual pair on one)."""
+    from gpu_harness import gpu_count, pair_env
+
+    if not gpu_count():
+        return
+    try:
+        import importlib.metadata as md
+
+        record_testsuite_property("vllm", md.version("vllm"))
+    except Exception:
+        pass
+    record_testsuite_property("gpus seen", gpu_count())
+    record_testsuite_property("pp2 pair", pair_env().get("VLLM_DUALGPU_VIRTUAL_GPUS", "two GPUs (ballast)"))
+
+
 def pytest_collection_modifyitems(config, items):
     """A ``gpu`` test is skipped, with the reason, where NVML sees no GPU (tests/gpu marks its own
     tests with the number of GPUs each needs: gpu_harness.needs_gpus)."""

@@ -30,7 +30,26 @@ def select_patches(kinds: frozenset[str], active: bool):
 
     if (WORKER in kinds or DEVICE in kinds) and not active:
         return ()
-    return tuple(p for p in PATCHES if kinds.intersection(p.processes) and not opted_out(p))
+    return tuple(p for p in PATCHES
+                 if kinds.intersection(p.processes) and not opted_out(p) and not p.when)
+
+
+def ensure_virtual_gpus() -> list[Outcome]:
+    """The virtual-GPU emulation's patches (``Patch.when == "virtual-gpus"``), in a worker whose
+    hand-off gives it a virtual card (vllm_dualgpu.patches.virtual_gpus.activate). Idempotent; a
+    skipped one refuses the run (:class:`StartupRefused`): an emulation that half applies would
+    measure the physical GPU and call it the card."""
+    from vllm_dualgpu.patching.registry import PATCHES, VIRTUAL_GPUS
+
+    version = installed_vllm_version()
+    outcomes = [apply_patch(p, version) for p in PATCHES
+                if p.when == VIRTUAL_GPUS and version_in_range(version, p.vllm_versions)]
+    skipped = [o.short() for o in outcomes if o.status not in (APPLIED, ALREADY)]
+    if skipped:
+        message = refusal_message("worker, virtual GPUs", [f"virtual-GPU patch {s} was skipped" for s in skipped])
+        logger.error("%s", message)
+        raise StartupRefused(message)
+    return outcomes
 
 
 def register() -> list[Outcome]:

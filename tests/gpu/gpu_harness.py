@@ -54,6 +54,56 @@ def needs_gpus(n: int):
     return mark
 
 
+# --- a mismatched pair: two GPUs with ballast, or a virtual pair on one ---------------------------
+
+VIRTUAL_PAIR_ENV = "DUALGPU_VIRTUAL_PAIR"
+"""Set to a VLLM_DUALGPU_VIRTUAL_GPUS value to use that virtual pair even with two GPUs."""
+
+
+def virtual_spec(free_gib: list[float] | None = None) -> str:
+    """The virtual pair for ``free_gib`` (GiB free per card, in the order the plugin sees them):
+    the smallest is an RTX 4070 Ti SUPER, the others H200s; default 16 + 32 GiB."""
+    free_gib = free_gib or [16.0, 32.0]
+    small = min(free_gib)
+    return ",".join(f"{'RTX 4070 Ti SUPER' if f == small else 'NVIDIA H200'}:{f:g}GiB" for f in free_gib)
+
+
+def uses_virtual_pair() -> bool:
+    return bool(os.environ.get(VIRTUAL_PAIR_ENV)) or gpu_count() == 1
+
+
+def pair_env(free_gib: list[float] | None = None) -> dict:
+    """What a PP=2 child adds to its environment: nothing on two GPUs; on one, the virtual pair
+    (VLLM_DUALGPU_VIRTUAL_GPUS, docs/virtual-gpus.md) and spawned workers."""
+    if not uses_virtual_pair():
+        return {}
+    return {"VLLM_DUALGPU_VIRTUAL_GPUS": os.environ.get(VIRTUAL_PAIR_ENV) or virtual_spec(free_gib),
+            "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+
+
+def needs_pair():
+    """Mark a PP=2 test ``gpu``: it runs on two GPUs, or on one as a virtual pair; skipped
+    without a GPU."""
+    seen = gpu_count()
+
+    def mark(fn):
+        fn = pytest.mark.gpu(fn)
+        return pytest.mark.skipif(seen < 1, reason=f"needs an NVIDIA GPU (two, or one as a virtual pair); NVML sees {seen}")(fn)
+
+    return mark
+
+
+@contextlib.contextmanager
+def pair(free_gib: list[float], logdir: Path):
+    """The pair of ``free_gib`` while the block runs; yields the child's extra environment:
+    ballast on two GPUs, the virtual pair's variables on one."""
+    if uses_virtual_pair():
+        yield pair_env(free_gib)
+        return
+    with ballast(free_gib, logdir):
+        yield {}
+
+
 # --- process groups: start, end (the one cleanup) -----------------------------------------------
 
 RUNNING: set[int] = set()  # process groups started here and not yet ended

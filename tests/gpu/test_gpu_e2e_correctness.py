@@ -2,7 +2,7 @@
 
 Per model (``small-dense``; ``small-hybrid`` with MTP, or in float32 ``small-attn-mtp``), seeded
 random weights: stock vLLM (PP=1, GPU 0), then the plugin (PP=2, ballast leaving 32 GiB free on
-GPU 0 and 16 GiB on GPU 1), each generating the three passes of gpu_tokens. Claims: every pass of
+GPU 0 and 16 GiB on GPU 1, or on one GPU the virtual pair of those cards), each generating the three passes of gpu_tokens. Claims: every pass of
 the plugin equals stock's (near ties only, in bf16); within each run the hit passes equal the
 no-hits pass; the hit passes did hit; the MTP runs drafted. E2E_DTYPE=float32 makes every
 comparison strict. The CPU part (the comparison itself) is test_gpu_tokens.py.
@@ -15,7 +15,7 @@ import functools
 import pytest
 
 import gpu_tokens as tok
-from gpu_harness import assert_ran, ballast, gpu_out, model_dir, needs_gpus, run_llm  # noqa: F401
+from gpu_harness import assert_ran, gpu_out, model_dir, needs_pair, pair, run_llm  # noqa: F401
 
 FREE_GIB = [32.0, 16.0]
 DTYPE = tok.e2e_dtype()
@@ -29,7 +29,7 @@ def check(record_property, name: str, ref: dict, got: dict, strict: bool) -> Non
     assert c["ok"], f"{name}: {c['identical']}/{c['prompts']} identical{' (strict)' if strict else ''}; first: {first}"
 
 
-@needs_gpus(2)
+@needs_pair()
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("model,mtp", [("dense", False), (tok.mtp_model(DTYPE), True)])
 def test_pp2_through_the_plugin_gives_stocks_tokens(model, mtp, model_dir, gpu_out, record_property):
@@ -40,9 +40,9 @@ def test_pp2_through_the_plugin_gives_stocks_tokens(model, mtp, model_dir, gpu_o
     stock = run_llm(tok.engine_kwargs(model, folder, 1, DTYPE, mtp), job, log=gpu_out / "stock.log",
                     timeout=330, env=tok.run_env(DTYPE, gpu="0"))
     assert_ran(stock)
-    with ballast(FREE_GIB, gpu_out):
+    with pair(FREE_GIB, gpu_out) as pair_vars:
         plugin = run_llm(tok.engine_kwargs(model, folder, 2, DTYPE, mtp), job, log=gpu_out / "plugin.log",
-                         timeout=330, env=tok.run_env(DTYPE))
+                         timeout=330, env={**tok.run_env(DTYPE), **pair_vars})
     assert_ran(plugin)
     record_property("boot_s stock / plugin", f"{stock['boot_s']} / {plugin['boot_s']}")
     families = [i for i, f in enumerate(prompts["family"]) if f is not None]

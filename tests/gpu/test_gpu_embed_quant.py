@@ -17,7 +17,7 @@ import gpu_tokens as tok
 from gpu_runs import EMBEDQ_ENV
 from gpu_runs import embedq_kwargs as engine_kwargs
 from gpu_runs import embedq_prompts as prompts
-from gpu_harness import assert_applied, assert_ran, gpu_out, grep, needs_gpus, run_llm, tail  # noqa: F401
+from gpu_harness import assert_applied, assert_ran, gpu_out, grep, needs_pair, pair_env, run_llm, tail  # noqa: F401
 
 PATCH = "qwen3-next-embed-quant-config"
 EMBED_METHOD = "CompressedTensorsEmbeddingWNA16Int"
@@ -77,12 +77,12 @@ def checkpoints(tmp_path_factory):
     return dirs, gm.embed_expected(dirs)
 
 
-@needs_gpus(2)
+@needs_pair()
 @pytest.mark.timeout(600)
 def test_packed_embedding_under_pp2(checkpoints, gpu_out, record_property):
     dirs, expected = checkpoints
     q = run_llm(engine_kwargs(dirs["quantized"], "dualgpu"), generate_and_probe, log=gpu_out / "plugin-quantized.log",
-                timeout=240, env=EMBEDQ_ENV)
+                timeout=240, env={**EMBEDQ_ENV, **pair_env()})
     assert_ran(q)
     assert [len(o) for o in q["outputs"]] == [MAX_TOKENS] * len(prompts()), "the quantized arm did not generate"
     assert [w["pp_rank"] for w in q["workers"]] == [0, 1]
@@ -97,13 +97,13 @@ def test_packed_embedding_under_pp2(checkpoints, gpu_out, record_property):
     assert last["drafter_embed_is_target_embed"] is True and last["drafter_embed"]["quant_method"] == EMBED_METHOD
     assert_applied(q["log"], "worker", (PATCH,), at_least=2)
     d = run_llm(engine_kwargs(dirs["dense"], "dualgpu"), functools.partial(generate_and_probe, probe=False),
-                log=gpu_out / "plugin-dense.log", timeout=200, env=EMBEDQ_ENV)
+                log=gpu_out / "plugin-dense.log", timeout=200, env={**EMBEDQ_ENV, **pair_env()})
     assert_ran(d)
     c = tok.compare(d["outputs"], q["outputs"], d["logprobs"], q["logprobs"], strict=True)
     assert c["ok"], f"quantized vs dense: {c['identical']}/{c['prompts']} identical; first {c['mismatches'][:1]}"
 
 
-@needs_gpus(2)
+@needs_pair()
 @pytest.mark.timeout(300)
 def test_stock_refuses_the_packed_embedding(checkpoints, gpu_out):
     dirs, _ = checkpoints

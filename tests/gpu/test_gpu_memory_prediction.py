@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from gpu_harness import assert_ran, ballast, gpu_out, grep, model_dir, needs_gpus, run_llm  # noqa: F401
+from gpu_harness import assert_ran, gpu_out, grep, model_dir, needs_pair, pair, run_llm  # noqa: F401
 
 FREE_GIB = [32.0, 16.0]
 KV_LINE = r"GPU KV cache size: ([\d,]+) tokens"
@@ -28,16 +28,16 @@ def generate(llm) -> dict:
             "block_size": cfg.cache_config.block_size}
 
 
-@needs_gpus(2)
+@needs_pair()
 @pytest.mark.timeout(600)
 def test_plan_predicts_the_kv_pool_and_boots(model_dir, gpu_out, record_property):
     model = model_dir("qwen3-14b-fp8")
     plan_file = gpu_out / "plan.json"
     kw = {"model": str(model), "load_format": "dummy", "enforce_eager": True, "max_model_len": 32768,
           "pipeline_parallel_size": 2, "distributed_executor_backend": "dualgpu"}
-    with ballast(FREE_GIB, gpu_out):
+    with pair(FREE_GIB, gpu_out) as pair_vars:
         res = run_llm(kw, generate, log=gpu_out / "dualgpu.log", timeout=480,
-                      env={"VLLM_DUALGPU_PLAN_FILE": str(plan_file)})
+                      env={"VLLM_DUALGPU_PLAN_FILE": str(plan_file), **pair_vars})
     assert_ran(res)
     assert res["outputs"] == [32] * 4, "did not generate"
     plan = json.loads(plan_file.read_text())

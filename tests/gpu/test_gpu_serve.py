@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from gpu_harness import VllmServer, gpu_out, model_dir, needs_gpus, plugin_lines  # noqa: F401
+from gpu_harness import VllmServer, gpu_out, model_dir, needs_gpus, needs_pair, pair_env, plugin_lines  # noqa: F401
 
 PROMPTS = ["the planet", "water is", "one day the sun and the moon", "people call their"]
 ARGS = ["--distributed-executor-backend", "dualgpu", "--load-format", "dummy", "--max-model-len", "4096",
@@ -38,13 +38,14 @@ def test_serve_on_one_gpu(model_dir, gpu_out, record_property):
     assert len(worker_pids(log)) == 1, f"worker plugin lines: {plugin_lines(log, 'worker')}"
 
 
-@needs_gpus(2)
+@needs_pair()
 @pytest.mark.timeout(580)
 def test_serve_pp2_and_without_the_hook(model_dir, gpu_out, record_property):
     model = model_dir("tiny-dense")
     log = gpu_out / "serve-pp2.log"
-    texts = serve_and_complete(model, ARGS + ["--pipeline-parallel-size", "2"], log, record_property)
+    texts = serve_and_complete(model, ARGS + ["--pipeline-parallel-size", "2"], log, record_property,
+                               env=pair_env())
     assert len(worker_pids(log)) == 2, f"worker plugin lines: {plugin_lines(log, 'worker')}"
     off = serve_and_complete(model, ARGS + ["--pipeline-parallel-size", "2"], gpu_out / "serve-pp2-nohook.log",
-                             record_property, env={"VLLM_DUALGPU_SM_HOOK": "0"})
+                             record_property, env={"VLLM_DUALGPU_SM_HOOK": "0", **pair_env()})
     assert off == texts, "the server without the sm hook gave other tokens"

@@ -20,7 +20,7 @@ import pytest
 import gpu_models as gm
 from gpu_runs import spec_kwargs as engine_kwargs
 from gpu_runs import spec_prompts as prompts
-from gpu_harness import assert_applied, assert_ran, gpu_out, grep, needs_gpus, run_llm, tail  # noqa: F401
+from gpu_harness import assert_applied, assert_ran, gpu_out, grep, needs_pair, pair_env, run_llm, tail  # noqa: F401
 
 ENGINE_PATCHES = ("pp-inflight-batches",)
 WORKER_PATCHES = ("pp-inflight-batches", "drafter-shares-target-embed")
@@ -90,10 +90,11 @@ def assert_generated(res: dict) -> None:
     assert "drafter" in last and "drafter" not in first, f"the drafter is not on the last rank only: {res['workers']}"
 
 
-@needs_gpus(2)
+@needs_pair()
 @pytest.mark.timeout(300)
 def test_mtp_under_pp2(spec_models, gpu_out, record_property):
-    res = run_llm(engine_kwargs(spec_models[0]), generate_and_probe, log=gpu_out / "mtp.log", timeout=240)
+    res = run_llm(engine_kwargs(spec_models[0]), generate_and_probe, log=gpu_out / "mtp.log", timeout=240,
+                  env=pair_env())
     assert_generated(res)
     record_property("boot_s", res["boot_s"])
     record_property("spec_metrics", res["spec_metrics"])
@@ -118,11 +119,12 @@ def device_phase_patches(rank_lines: list[str]) -> dict[int, list[str]]:
     return found
 
 
-@needs_gpus(2)
+@needs_pair()
 @pytest.mark.timeout(300)
 def test_eagle3_under_pp2_relays_the_aux_states(spec_models, gpu_out, record_property):
     model, drafter = spec_models
-    res = run_llm(engine_kwargs(model, "eagle3", drafter), generate_and_probe, log=gpu_out / "eagle3.log", timeout=240)
+    res = run_llm(engine_kwargs(model, "eagle3", drafter), generate_and_probe, log=gpu_out / "eagle3.log", timeout=240,
+                  env=pair_env())
     assert_generated(res)
     record_property("spec_metrics (acceptance is not a claim: random weights)", res["spec_metrics"])
     assert res["workers"][-1]["drafter"] == gm.EAGLE3_DRAFTER_CLASS.rsplit(".", 1)[1]
@@ -139,7 +141,7 @@ def test_eagle3_under_pp2_relays_the_aux_states(spec_models, gpu_out, record_pro
     assert_applied(res["log"], "engine", ENGINE_PATCHES)
 
 
-@needs_gpus(2)
+@needs_pair()
 @pytest.mark.timeout(200)
 def test_stock_vllm_refuses_eagle3_under_pp2(spec_models, gpu_out):
     model, drafter = spec_models

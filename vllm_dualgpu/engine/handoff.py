@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from vllm_dualgpu.virtual_gpus import VirtualCard
+
 KEY = "dualgpu"
 PLAN = "plan"
 
@@ -40,6 +42,15 @@ class RankRecord:
     tp_rank: int = 0
     node_id: str | None = None
     """The Ray node of this rank (the dualgpu-ray executor); None on one host."""
+    virtual_card: VirtualCard | None = None
+    """The emulated card this rank presents as (VLLM_DUALGPU_VIRTUAL_GPUS); None: a real card."""
+
+    @classmethod
+    def from_dict(cls, data: dict) -> RankRecord:
+        d = dict(data)
+        if d.get("virtual_card") is not None:
+            d["virtual_card"] = VirtualCard.from_dict(d["virtual_card"])
+        return cls(**d)
 
 
 @dataclass(frozen=True)
@@ -67,7 +78,7 @@ class Handoff:
     def from_dict(cls, data: dict) -> Handoff:
         part = data.get("partition")
         return cls(
-            ranks=tuple(RankRecord(**r) for r in data["ranks"]),
+            ranks=tuple(RankRecord.from_dict(r) for r in data["ranks"]),
             partition=tuple(part) if part else None,
             partition_source=data["partition_source"],
             tp_size=data.get("tp_size", 1),

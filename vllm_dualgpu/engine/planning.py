@@ -17,7 +17,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from vllm_dualgpu import envs
+from vllm_dualgpu import envs, virtual_gpus
 from vllm_dualgpu.engine import handoff, kv_pricing, partition
 from vllm_dualgpu.nvml import VisibleGpu, read_visible_gpus
 from vllm_dualgpu.log import logger
@@ -122,6 +122,8 @@ def apply_plan(vllm_config) -> AppliedPlan:
             "--distributed-executor-backend mp."
         ) from exc
     settings = _settings(vllm_config)
+    # VLLM_DUALGPU_VIRTUAL_GPUS: emulated cards on the first visible GPU (off unless set)
+    visible, virtual = virtual_gpus.substitute(visible, settings.get("virtual_gpus"))
     reserves_visible = envs.expand_reserves(settings["reserve_bytes"], len(visible))
     tp = pc.tensor_parallel_size
     used = choose_gpus(visible, pp, tp)
@@ -146,7 +148,10 @@ def apply_plan(vllm_config) -> AppliedPlan:
     placed = stages.rank_cards(result.order)
     ranked = [used[card.index] for _, _, card in placed]  # facts are indexed by position in used
     pc.assigned_physical_gpu_ids = [g.physical_id for g in ranked]
-    hand_over(vllm_config, _handoff(result, ranked, user_partition, stages),
+    cards = [virtual[card.index] for _, _, card in placed] if virtual else None
+    if virtual:
+        _virtual_ranks(pc, cards)
+    hand_over(vllm_config, _handoff(result, ranked, user_partition, stages, cards),
               off="per-rank memory budgets and summary lines", kept="the GPU order and layer split")
     for line in _overrides(vllm_config, user_partition):
         logger.info(line)
@@ -192,7 +197,18 @@ def _settings(vllm_config) -> dict:
     return settings
 
 
-def _handoff(result, ranked: list[VisibleGpu], user_partition, stages=None) -> handoff.Handoff:
+def _virtual_ranks(pc, cards) -> None:
+    """Every rank on the one physical GPU: vLLM's custom all-reduce (CUDA IPC between distinct
+    GPUs) is off for TP stages, NCCL (its socket transport between the ranks' own host ids,
+    patches/virtual_gpus.activate) carries everything."""
+    if pc.tensor_parallel_size > 1 and not pc.disable_custom_all_reduce:
+        pc.disable_custom_all_reduce = True
+    for rank, c in enumerate(cards):
+        logger.info("vllm-dualgpu: virtual GPUs (%s): rank %d is %s", virtual_gpus.ENV, rank, c.describe())
+
+
+def _handoff(result, ranked: list[VisibleGpu], user_partition, stages=None,
+             cards=None) -> handoff.Handoff:
     """The per-rank record the workers read (see engine/handoff.py for what it may hold): one a
     vLLM rank, each rank of a TP group with its stage's plan and its own card's reserve and cap
     (``stages``: planner/tp_stages.TpStages; None: a pipeline of single cards)."""
@@ -217,6 +233,7 @@ def _handoff(result, ranked: list[VisibleGpu], user_partition, stages=None) -> h
             predicted_non_kv_bytes=r.budget_bytes - r.kv_budget_bytes - context + extra,
             stage=stage,
             tp_rank=tp_rank,
+            virtual_card=cards[rank] if cards else None,
         ))
     source = "user" if user_partition is not None else ("plan" if result.partition_env() else "even")
     return handoff.Handoff(tuple(ranks), tuple(result.partition), source, tp)

@@ -114,7 +114,24 @@ def capture_settings(vllm_config, nvml_gpu_count: int | None = None) -> None:
         partition.users_partition_text(), num_hidden_layers(vllm_config),
         vllm_config.parallel_config.pipeline_parallel_size,
     )
-    handoff.update_settings(vllm_config, reserve_bytes=sizes, user_partition=user_partition)
+    handoff.update_settings(vllm_config, reserve_bytes=sizes, user_partition=user_partition,
+                            virtual_gpus=_virtual_gpus_text())
+
+
+def _virtual_gpus_text() -> str | None:
+    """``VLLM_DUALGPU_VIRTUAL_GPUS`` (an emulation for tests, docs/virtual-gpus.md), its syntax
+    checked here; the executor places the cards once NVML has given the physical GPU."""
+    from vllm_dualgpu.planner.gpus import parse_gpus
+    from vllm_dualgpu.virtual_gpus import ENV
+
+    text = os.environ.get(ENV, "").strip()
+    if not text:
+        return None
+    try:
+        parse_gpus(text)
+    except ValueError as exc:
+        raise ValueError(f"{ENV}: {exc}") from None
+    return text
 
 
 def check_platform(parallel_config) -> None:
@@ -198,9 +215,12 @@ def nvml_gpu_count() -> int | None:
 
         pynvml.nvmlInit()
         try:
-            return len(visible_physical_ids(pynvml.nvmlDeviceGetCount()))
+            count = len(visible_physical_ids(pynvml.nvmlDeviceGetCount()))
         finally:
             pynvml.nvmlShutdown()
+        virtual = _virtual_gpus_text()
+        # the virtual cards all sit on the first visible GPU (docs/virtual-gpus.md)
+        return len(virtual.split(",")) if virtual and count >= 1 else count
     except ValueError:
         raise
     except Exception:

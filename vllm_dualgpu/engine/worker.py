@@ -19,6 +19,7 @@ from vllm.v1.worker.gpu_worker import Worker
 from vllm_dualgpu import envs, plugin
 from vllm_dualgpu import rank_summary
 from vllm_dualgpu.engine import handoff
+from vllm_dualgpu.patches import virtual_gpus
 from vllm_dualgpu.log import logger
 from vllm_dualgpu.planner.gpus import rank_budget
 from vllm_dualgpu.process import DEVICE, WORKER
@@ -91,12 +92,29 @@ def refuse_external_weights(load_config, vllm_config) -> None:
         )
 
 
+def _activate_virtual_card(vllm_config, rank: int):
+    """This rank's virtual card from the hand-off (VLLM_DUALGPU_VIRTUAL_GPUS), made active in
+    this process before vLLM sets up the device; None on a real card."""
+    plan = handoff.load(vllm_config)
+    record = plan.rank(rank) if plan else None
+    card = record.virtual_card if record else None
+    if card is not None:
+        virtual_gpus.activate(card, rank)
+    return card
+
+
+def _virtual_note(card, device) -> str:
+    cap = virtual_gpus.hold_to_card(device)
+    return f"{card.describe()}; NCCL host id {os.environ.get('NCCL_HOSTID')}; torch held to {_gib(cap)}"
+
+
 class DualGpuWorker(Worker):
     def __init__(self, *args, **kwargs):
         # Forked workers (vLLM's default outside `vllm serve`) skip general plugins: apply the
         # worker patches here, before the device and the model exist (no-op if already done).
         plugin.ensure_for_dualgpu(frozenset({WORKER}))
         super().__init__(*args, **kwargs)
+        self._virtual_card = _activate_virtual_card(self.vllm_config, self.rank)
 
     def init_device(self):
         refuse_external_weights(self.load_config, self.vllm_config)
@@ -125,6 +143,8 @@ class DualGpuWorker(Worker):
             )
         self.requested_memory = budget
         self.cache_config.gpu_memory_utilization = min(1.0, budget / snap.total_memory)
+        if getattr(self, "_virtual_card", None) is not None:
+            rank_summary.note("virtual GPU", _virtual_note(self._virtual_card, self.device))
         rank_summary.note("GPU", f"{name} (cuda:{self.device.index})")
         rank_summary.note(
             "budget",
@@ -155,6 +175,8 @@ class DualGpuWorker(Worker):
 
     def determine_available_memory(self) -> int:
         self._warm_pp_communicators()
+        if getattr(self, "_virtual_card", None) is not None:
+            virtual_gpus.hold_to_card(self.device)  # NCCL's buffers now count outside torch
         available = super().determine_available_memory()
         record = getattr(self, "_dualgpu_rank", None)
         predicted = record.predicted_non_kv_bytes if record else None
@@ -246,6 +268,10 @@ class DualGpuWorker(Worker):
         _end_this_process()
 
     def _log_summary(self) -> None:
+        if getattr(self, "_virtual_card", None) is not None:
+            cap = virtual_gpus.hold_to_card(self.device)
+            rank_summary.note("held to", f"{_gib(cap)} for torch (the card's free memory less "
+                                         "what the process holds outside torch)")
         free, total = torch.cuda.mem_get_info(self.device)
         kv = self.cache_config.num_gpu_blocks
         pp_rank, pp_size = self._pp_position()

@@ -63,6 +63,10 @@ class Patch:
     fixed_in: str = ""
     """The vLLM release that fixed the problem upstream (the range ends there), with what it
     changed, e.g. ``"0.31.0: DFlashQwen3Model builds ... (models/qwen3_dflash.py)"``."""
+    when: str = ""
+    """Empty: applied wherever ``processes`` and the run say. ``"virtual-gpus"``: an emulation
+    applied only in a worker whose hand-off gives it a virtual card (vllm_dualgpu.virtual_gpus),
+    never otherwise."""
 
     @property
     def module(self) -> str:

@@ -12,6 +12,9 @@ from vllm_dualgpu.envs import TOOL_PARSER_FIXES
 from vllm_dualgpu.patching.core import Patch
 from vllm_dualgpu.process import DEVICE, ENGINE, FRONTEND, WORKER
 
+VIRTUAL_GPUS = "virtual-gpus"
+"""Patch.when of the emulation entries (vllm_dualgpu.virtual_gpus)."""
+
 # The releases each range was checked against: 0.30.0, 0.31.0, 0.32.0, 0.33.0 (no patch releases
 # exist between them). A range ends where upstream fixed the problem or moved the target; then
 # another entry (a name with a suffix) covers the later releases.
@@ -743,6 +746,63 @@ PATCHES: tuple[Patch, ...] = (
         params=("parser",),
         issue="#17",
         optional=True,
+    ),
+    # --- virtual GPUs: an emulation for tests, applied only where asked (issue #23) ---
+    # VLLM_DUALGPU_VIRTUAL_GPUS gives each rank a virtual card on one physical GPU; a worker
+    # whose hand-off carries such a card applies these (patches/virtual_gpus.activate), no
+    # other process ever does. docs/virtual-gpus.md.
+    *(
+        Patch(
+            name=name,
+            target=target,
+            processes=(WORKER,),
+            vllm_versions=V030_033,
+            why=why,
+            upstream="none (an emulation for tests: several cards on one GPU)",
+            remove_when="tests of mismatched pairs run on real pairs",
+            factory=f"vllm_dualgpu.patches.virtual_gpus:{factory}",
+            params=params,
+            issue="#23",
+            when=VIRTUAL_GPUS,
+        )
+        for name, target, factory, params, why in (
+            ("virtual-gpus-memory-info", "torch.accelerator:get_memory_info", "wrap_memory_info",
+             ("device_index",),
+             "EMULATION. vLLM's memory snapshot (utils/mem_utils.py MemorySnapshot.measure), its "
+             "profile and its CUDA-graph estimates read free and total memory here; on a shared "
+             "GPU that is device-wide, so one rank's weights would count as the other rank's "
+             "non-torch memory. On a virtual card it answers the card's total, and its free "
+             "memory less this process's own use of the GPU (NVML's per-process figure)."),
+            ("virtual-gpus-mem-get-info", "torch.cuda:mem_get_info", "wrap_memory_info",
+             ("device",),
+             "EMULATION. The same for torch.cuda.mem_get_info (the dualgpu worker's own "
+             "measurements and vLLM's platform mem_get_info)."),
+            ("virtual-gpus-device-name", "vllm.platforms.cuda:NvmlCudaPlatform.get_device_name",
+             "wrap_device_name", ("cls", "device_id"),
+             "EMULATION. The rank presents as its card: vLLM's tuned-config lookups (block-FP8, "
+             "MoE) and logs use this name."),
+            ("virtual-gpus-device-name-nonnvml",
+             "vllm.platforms.cuda:NonNvmlCudaPlatform.get_device_name", "wrap_device_name",
+             ("cls", "device_id"), "EMULATION. As virtual-gpus-device-name, without NVML."),
+            ("virtual-gpus-torch-device-name", "torch.cuda:get_device_name",
+             "wrap_torch_device_name", ("device",),
+             "EMULATION. The card's name for callers that ask torch (this package's rank "
+             "summary, some kernels' config lookups)."),
+            ("virtual-gpus-capability",
+             "vllm.platforms.cuda:NvmlCudaPlatform.get_device_capability",
+             "wrap_device_capability", ("cls", "device_id"),
+             "EMULATION. The card's capability where the physical GPU can run kernels chosen "
+             "for it (not newer than the GPU), so vLLM's Python-side kernel choices are the "
+             "card's; torch's own capability (Triton, JIT builds) stays the GPU's."),
+            ("virtual-gpus-capability-nonnvml",
+             "vllm.platforms.cuda:NonNvmlCudaPlatform.get_device_capability",
+             "wrap_device_capability", ("cls", "device_id"),
+             "EMULATION. As virtual-gpus-capability, without NVML."),
+            ("virtual-gpus-total-memory",
+             "vllm.platforms.cuda:NvmlCudaPlatform.get_device_total_memory",
+             "wrap_device_total_memory", ("cls", "device_id"),
+             "EMULATION. The card's total memory for vLLM's platform queries in the worker."),
+        )
     ),
 )
 

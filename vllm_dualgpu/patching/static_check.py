@@ -60,7 +60,8 @@ def check_tree(tree: Path, version: str, patches, every: bool = False) -> list[t
     return [
         (p, check_entry(tree, p))
         for p in patches
-        if every or version_in_range(version, p.vllm_versions)
+        # torch's targets (the virtual-GPU emulation) are not in vLLM's tree
+        if p.module.split(".")[0] == "vllm" and (every or version_in_range(version, p.vllm_versions))
     ]
 
 

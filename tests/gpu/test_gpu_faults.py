@@ -1,0 +1,116 @@
+"""Faults under PP=2 through the plugin (issue #23 part 3), on two GPUs or the virtual pair:
+``vllm serve`` with requests streaming when a worker is killed (SIGKILL) or stopped (SIGSTOP).
+Each case records its time to a clear end; the claims are bounds."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from gpu_harness import VllmServer, gpu_out, group_alive, model_dir, needs_pair, pair_env, plugin_lines, tail  # noqa: F401
+
+ARGS = ["--load-format", "dummy", "--enforce-eager", "--max-model-len", "2048", "--max-num-seqs", "8",
+        "--gpu-memory-utilization", "0.3", "--pipeline-parallel-size", "2",
+        "--distributed-executor-backend", "dualgpu"]
+
+
+def stream(server: VllmServer, out: dict, key: int, limit: float) -> None:
+    """One streaming completion; out[key]: how it ended and when."""
+    t0 = time.time()
+    body = {"model": server.model, "prompt": f"count {key}", "max_tokens": 1500, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    req = urllib.request.Request(server.url("/v1/completions"), json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    chunks = 0
+    try:
+        with urllib.request.urlopen(req, timeout=limit) as r:
+            for line in r:
+                if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+                    chunks += 1
+                    if b'"error"' in line:
+                        out[key] = {"end": "error event", "s": round(time.time() - t0, 1), "chunks": chunks}
+                        return
+        out[key] = {"end": "finished", "s": round(time.time() - t0, 1), "chunks": chunks}
+    except Exception as exc:
+        out[key] = {"end": f"{type(exc).__name__}: {str(exc)[:120]}", "s": round(time.time() - t0, 1),
+                    "chunks": chunks}
+
+
+def worker_pids(log) -> list[int]:
+    """The two workers' pids, rank order (vLLM prefixes their lines "(Worker_PP<r> pid=N)")."""
+    text = log.read_text(errors="replace")
+    found = {int(r): int(p) for r, p in re.findall(r"\(Worker_PP(\d) pid=(\d+)\)", text)}
+    return [found[r] for r in sorted(found)]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def run_fault(model, gpu_out, sig: int, name: str, record_property, bound: float) -> dict:
+    log = gpu_out / f"{name}.log"
+    results: dict = {}
+    with VllmServer(str(model), ARGS, log=log, env=pair_env(), timeout=400) as server:
+        pids = worker_pids(log)
+        assert len(pids) == 2, f"worker plugin lines: {plugin_lines(log, 'worker')}"
+        threads = [threading.Thread(target=stream, args=(server, results, i, bound + 30), daemon=True) for i in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(4.0)  # the requests are streaming
+        t_fault = time.time()
+        os.kill(pids[-1], sig)
+        health_bad_s = None
+        while time.time() - t_fault < bound:
+            try:
+                with urllib.request.urlopen(server.url("/health"), timeout=2) as r:
+                    ok = r.status == 200
+            except Exception:
+                ok = False
+            if not ok and health_bad_s is None:
+                health_bad_s = round(time.time() - t_fault, 1)
+            if health_bad_s is not None and all(not t.is_alive() for t in threads):
+                break
+            time.sleep(0.5)
+        ended = {k: v for k, v in results.items()}
+        server_exit = server.proc.poll()
+        if sig == signal.SIGSTOP:
+            os.kill(pids[-1], signal.SIGCONT)
+    # the server's group has been ended by VllmServer's exit
+    time.sleep(2.0)
+    rec = {"signal": signal.Signals(sig).name, "requests": ended, "health_bad_after_s": health_bad_s,
+           "server_exit_code_within_bound": server_exit, "group_left": group_alive(server.proc.pid),
+           "workers_left": [p for p in pids if alive(p)], "log_tail": tail(log, 15)}
+    record_property(name, {k: v for k, v in rec.items() if k != "log_tail"})
+    (gpu_out / f"{name}.json").write_text(json.dumps(rec, indent=1))
+    return rec
+
+
+@needs_pair()
+@pytest.mark.timeout(600)
+def test_a_killed_worker_fails_every_request(model_dir, gpu_out, record_property):
+    rec = run_fault(model_dir("tiny-dense"), gpu_out, signal.SIGKILL, "sigkill", record_property, bound=60)
+    assert len(rec["requests"]) == 4, f"requests still open 60 s after the kill: {rec['requests']}"
+    assert all(r["end"] != "finished" or r["chunks"] < 1500 for r in rec["requests"].values()), rec["requests"]
+    assert rec["health_bad_after_s"] is not None, "the server still reported healthy 60 s after the kill"
+    assert not rec["group_left"] and not rec["workers_left"], rec
+
+
+@needs_pair()
+@pytest.mark.timeout(600)
+def test_a_stopped_worker_is_bounded(model_dir, gpu_out, record_property):
+    """SIGSTOP: the worker neither dies nor answers. Recorded: whether the requests and the
+    health check end within 90 s; the claim is only that the test's own bound cleans up."""
+    rec = run_fault(model_dir("tiny-dense"), gpu_out, signal.SIGSTOP, "sigstop", record_property, bound=90)
+    record_property("requests ended within 90 s", f"{len(rec['requests'])}/4")
+    assert not rec["group_left"] and not rec["workers_left"], rec

@@ -1,0 +1,130 @@
+"""Virtual GPUs: several emulated cards on one physical GPU, for testing a mismatched pair.
+
+``VLLM_DUALGPU_VIRTUAL_GPUS="RTX 4070 Ti SUPER:16GiB,RTX 5090:32GiB"`` (the ``--gpus`` syntax of
+``vllm-dualgpu plan``: ``NAME[:TOTAL[:FREE]][:cc=X.Y]``) makes the dualgpu executor see those
+cards, in that order, instead of the GPUs NVML lists, all of them on the first visible GPU. The
+real path runs on them: NVML facts -> plan -> executor -> workers -> vLLM's profiling. Each
+rank then presents as its card (name, total and free memory, capability where the physical GPU
+can run that capability's kernels) and is held to it (docs/virtual-gpus.md). Off unless the
+variable is set; meant for tests and benchmarks on one large GPU, not for serving.
+
+This module is pure (no torch, no vLLM): the parsing and the facts. The worker side is
+:mod:`vllm_dualgpu.patches.virtual_gpus`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+from vllm_dualgpu.planner.errors import BadRequest
+from vllm_dualgpu.planner.gpus import lookup, parse_gpus
+
+ENV = "VLLM_DUALGPU_VIRTUAL_GPUS"
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class VirtualCard:
+    """One emulated card, as its rank presents it (carried to the worker in the hand-off)."""
+
+    name: str
+    """As NVML names the real card (``NVIDIA GeForce RTX 4070 Ti SUPER``)."""
+    total_bytes: int
+    free_bytes: int
+    """Free on the card before this run (the rest is held by others: a desktop, the driver)."""
+    capability: tuple[int, int] | None
+    """The real card's compute capability (what the planner uses)."""
+    reported_capability: tuple[int, int]
+    """What the rank's capability queries answer: the card's own where the physical GPU can
+    run kernels built for it (same major, or older), else the physical GPU's."""
+    physical_id: int
+    physical_name: str
+    physical_total_bytes: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> VirtualCard:
+        d = dict(data)
+        for key in ("capability", "reported_capability"):
+            if d.get(key) is not None:
+                d[key] = tuple(d[key])
+        return cls(**d)
+
+    def describe(self) -> str:
+        cc = self.reported_capability
+        own = self.capability
+        text = f"{self.name} {self.total_bytes / GiB:.1f} GiB (free {self.free_bytes / GiB:.1f})"
+        text += f", capability {cc[0]}.{cc[1]}"
+        if own is not None and tuple(own) != tuple(cc):
+            text += f" (the card's {own[0]}.{own[1]} cannot run on the physical GPU)"
+        return f"{text}, on GPU {self.physical_id} ({self.physical_name})"
+
+
+def nvml_name(name: str) -> str:
+    """The name NVML gives the real card: ``RTX 4070 Ti SUPER`` -> ``NVIDIA GeForce RTX 4070 Ti
+    SUPER`` (GeForce RTX boards), ``H200`` -> ``NVIDIA H200``; a name with a vendor prefix stays."""
+    text = " ".join(name.split())
+    if text.lower().startswith("nvidia"):
+        return text
+    words = text.split()
+    geforce = (len(words) >= 2 and words[0].upper() == "RTX" and words[1][:2].isdigit()
+               and len(words[1]) == 4)
+    return f"NVIDIA GeForce {text}" if geforce else f"NVIDIA {text}"
+
+
+def runnable_capability(card: tuple[int, int] | None, physical: tuple[int, int]) -> tuple[int, int]:
+    """The capability a virtual card's rank may answer on ``physical``: its own when kernels
+    chosen for it run there (not newer than the physical GPU), else the physical one."""
+    if card is None or tuple(card) > tuple(physical):
+        return tuple(physical)
+    return tuple(card)
+
+
+def parse(spec: str, physical_id: int, physical_name: str, physical_total: int,
+          physical_free: int, physical_capability: tuple[int, int]) -> list[VirtualCard]:
+    """The cards of ``spec`` on the physical GPU described by the other arguments; raises
+    :class:`BadRequest` with what to write when the spec is wrong or does not fit."""
+    try:
+        facts = parse_gpus(spec)
+    except BadRequest as exc:
+        raise BadRequest(f"{ENV}: {exc}") from None
+    if len(facts) < 2:
+        raise BadRequest(f"{ENV}={spec!r} names one card; name two or more, e.g. "
+                         "'RTX 4070 Ti SUPER:16GiB,RTX 5090:32GiB'")
+    need = sum(f.free_bytes for f in facts)
+    if need > physical_free:
+        raise BadRequest(
+            f"{ENV}={spec!r}: the cards need {need / GiB:.1f} GiB free together, GPU "
+            f"{physical_id} ({physical_name}) has {physical_free / GiB:.1f} GiB free; name smaller "
+            "cards or free the GPU")
+    cards = []
+    for f in facts:
+        known = lookup(f.name)
+        cap = f.capability or (known.capability if known else None)
+        cards.append(VirtualCard(
+            name=nvml_name(f.name), total_bytes=f.total_bytes, free_bytes=f.free_bytes,
+            capability=tuple(cap) if cap else None,
+            reported_capability=runnable_capability(cap, physical_capability),
+            physical_id=physical_id, physical_name=physical_name,
+            physical_total_bytes=physical_total))
+    return cards
+
+
+def substitute(visible: list, spec: str | None):
+    """``(gpus, cards)``: the visible GPUs (``nvml.VisibleGpu``) replaced by the virtual cards of
+    ``spec`` on the first of them, with the cards; ``(visible, None)`` when ``spec`` is unset."""
+    if not spec or not spec.strip():
+        return visible, None
+    if not visible:
+        raise BadRequest(f"{ENV} is set, but NVML sees no GPU to put the virtual cards on")
+    g = visible[0]
+    cards = parse(spec, g.physical_id, g.name, g.total_bytes, g.free_bytes, tuple(g.capability))
+    gpus = [
+        replace(g, name=c.name, total_bytes=c.total_bytes, free_bytes=c.free_bytes,
+                capability=c.capability or tuple(g.capability), bandwidth_gbps=None,
+                uuid=f"{g.uuid}/virtual-{i}", nvlink=False)
+        for i, c in enumerate(cards)
+    ]
+    return gpus, cards
