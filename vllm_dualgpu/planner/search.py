@@ -387,8 +387,11 @@ class _Context:
         per_layer_tok = [0] * L
         per_layer_state = [0] * L
         d_tok_bytes = 0
+        self.drafter_window_read: list[tuple[int, int]] = []  # (window, bytes per token) of sliding layers
         for s in self.kv.slots:
-            if s.layer_index is None:
+            if s.layer_index is None and s.sliding_window:  # reads its window, not the context
+                self.drafter_window_read.append((s.sliding_window, s.real_bytes_per_token))
+            elif s.layer_index is None:
                 d_tok_bytes += s.real_bytes_per_token
             else:
                 per_layer_tok[s.layer_index] += s.real_bytes_per_token
@@ -414,6 +417,7 @@ class _Context:
                 + 2 * (self.state_prefix[end] - self.state_prefix[start]))
         if last:
             read += self.last_extra_read() + decode_tokens * self.drafter_kv_tok
+            read += sum(min(w, decode_tokens) * b for w, b in self.drafter_window_read)
         return RankCost(
             weights_bytes=self.weight_prefix[end] - self.weight_prefix[start],
             fixed_bytes=self.fixed_sum[role],

@@ -88,3 +88,23 @@ def test_mtp_keeps_vllms_grouping():
     # 17 attention layers (16 + MTP) and 48 GDN: groups of 17 -> 1 + 3 groups, nothing to gain
     assert len(lay.groups) == 4
     assert lay.per_rank_grouping([16, 48], [3 * GIB, 8 * GIB], 262144) is lay
+
+
+def test_a_sliding_drafter_reads_its_window_at_decode():
+    """The decode estimate: a sliding-window drafter layer reads its window's K+V, not the whole
+    context: at 262,144 tokens the 5 layers read 5 x 2,048 x (262,144 - 4,096) bytes less."""
+    import dataclasses
+
+    from vllm_dualgpu.planner import PlanRequest, parse_gpus, plan
+
+    model = ModelSpec.from_hf_config(reference_config("qwen3.8-27b"))
+    full = {k: v for k, v in DRAFTER.items() if k != "layer_types"}
+    full["dflash_config"] = {k: v for k, v in DRAFTER["dflash_config"].items() if k != "swa_window_size"}
+    req = PlanRequest(max_model_len=262144, kv_cache_dtype="fp8", max_num_seqs=2, max_num_batched_tokens=1024,
+                      layer_partition=[16, 48], drafter_shares_embedding=True)
+    gpus = parse_gpus("H200:64GiB,H200:64GiB")  # room for any grouping
+    reads = {}
+    for name, draft in (("window", DRAFTER), ("full", full)):
+        spec = {"method": "dflash", "num_speculative_tokens": 7, "draft_config": draft}
+        reads[name] = plan(model, gpus, dataclasses.replace(req, speculative=spec)).ranks[-1].decode_read_bytes
+    assert reads["full"] - reads["window"] == 5 * 2048 * (262144 - 4096)
