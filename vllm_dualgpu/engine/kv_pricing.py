@@ -1,12 +1,13 @@
 """The executor prices the plan's KV cache with vLLM's own functions, patched as the run will be.
 
-The pure planner (planner/kv.py) mirrors stock vLLM's KV arithmetic so that
-``vllm-dualgpu plan`` works without vLLM. Under the dualgpu executor the registry's KV patches
-change that arithmetic (kv-groups-without-padding, kv-groups-know-ranks,
+The pure planner (planner/kv.py) mirrors vLLM's KV arithmetic, and the grouping the registry's
+KV patches choose under the dualgpu executor (kv-groups-without-padding, kv-groups-know-ranks,
 kv-drafter-pages-promoted: a DFlash drafter next to a hybrid model is grouped without padding),
-so here, where vLLM is loaded, the layers the planner sized become vLLM's spec objects
-(``FullAttentionSpec`` with vLLM's dtype and quantization mode for the cache dtype,
-``MambaSpec`` with the model class's own state shapes and dtypes), vLLM's grouping forms the
+so that ``vllm-dualgpu plan`` works without vLLM. Here, where vLLM is loaded, the plan is
+checked with vLLM's own functions: the layers the planner sized become vLLM's spec objects
+(``FullAttentionSpec`` or, for a drafter's sliding-window layers, ``SlidingWindowSpec`` with
+vLLM's dtype and quantization mode for the cache dtype, ``MambaSpec`` with the model class's
+own state shapes and dtypes), vLLM's grouping forms the
 groups from every rank's layers and planned KV memory (as ``get_kv_cache_configs`` does at run
 time), and the planner searches again with that grouping (``KVLayout.regrouped``, the same
 interface as the mirror). The plan's pool is then checked against vLLM's per-rank bytes per

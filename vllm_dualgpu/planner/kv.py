@@ -1,7 +1,9 @@
 """KV-cache arithmetic, mirroring vLLM 0.30 (``vllm/v1/core/kv_cache_utils.py``).
 
-This is the pure mirror ``vllm-dualgpu plan`` uses. The executor, where vLLM is loaded, regroups
-it with vLLM's own (patched) functions (:meth:`KVLayout.regrouped`, engine/kv_pricing.py).
+This is the pure mirror ``vllm-dualgpu plan`` uses, including the grouping the package's KV
+patches choose under the dualgpu executor (:meth:`KVLayout.per_rank_grouping`). The executor,
+where vLLM is loaded, prices it again with vLLM's own (patched) functions
+(:meth:`KVLayout.regrouped`, engine/kv_pricing.py) and must find the same groups.
 
 What vLLM does, and what this module reproduces without importing it:
 
@@ -22,7 +24,9 @@ What vLLM does, and what this module reproduces without importing it:
   holds ``available // bytes_per_block`` blocks, and every rank then uses the minimum.
 * A request of ``L`` tokens needs ``cdiv(L, block_size)`` blocks per attention group plus
   ``1 + num_speculative_tokens`` (``2 + ...`` with prefix caching, mamba "align" mode) per
-  mamba group; one block is the pool's null block.
+  mamba group, plus ``cdiv(min(window - 1 + in-flight tokens, L), block_size) + 1`` per
+  sliding-window group (a DFlash drafter's ``SlidingWindowSpec``); one block is the pool's null
+  block.
 
 This follows the default layer-major KV layout (``LBNHC``) that FlashAttention and FlashInfer
 resolve to on CUDA; block-outermost layouts pack mixed page sizes differently.
