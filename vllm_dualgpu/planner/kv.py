@@ -482,7 +482,9 @@ class KVLayout:
         best = min(candidates, key=lambda c: c[:3])[3]
         if best is not stock:
             sizes = "/".join(sorted({str(len(g.members)) for g in best.groups}, key=int))
-            best.notes = [n for n in best.notes if "drafter's attention layers have their own KV spec" not in n]
+            best.notes = [n for n in best.notes  # stock vLLM's grouping, which this one replaces
+                          if "drafter's attention layers have their own KV spec" not in n
+                          and not n.startswith("vLLM groups the ")]
             best.notes.append(
                 f"with PP > 1 the dualgpu executor groups the {len(best.slots)} KV layers into "
                 f"{len(best.groups)} groups of {sizes} layers instead of vLLM's {len(stock.groups)} "
