@@ -1,35 +1,64 @@
 #!/usr/bin/env python3
-"""Issue #18, the headline: the 27B reference shapes at 262,144 tokens on an emulated 16 GiB + 32 GiB pair.
+"""Issue #28, the headline at its real shape: the reference setup's four 262,144-token launchers
+on a 16 GiB + 32 GiB pair, the expert's flags against zero flags.
 
-    python benchmarks/headline.py OUTDIR [--quants w8a16,fp8] [--arms stock,expert,plugin,split]
-    python benchmarks/headline.py OUTDIR --speed [--quants fp8]
-    python benchmarks/headline.py OUTDIR --dry-run          # the arms as JSON; nothing starts
+    python benchmarks/headline.py OUTDIR [--launchers fp8-mtp,...] [--arms expert,plugin,split]
+    python benchmarks/headline.py OUTDIR --virtual "RTX 4070 Ti SUPER:16GiB,RTX 5090:32GiB"   # the default
+    python benchmarks/headline.py OUTDIR --virtual none      # two GPUs, ballast leaving 16 and 32 GiB
+    python benchmarks/headline.py OUTDIR --speed --virtual none [--launchers fp8-mtp]
+    python benchmarks/headline.py OUTDIR --dry-run           # the arms as JSON; nothing starts
 
-Two GPUs; ballast leaves 16 GiB free on GPU 0 and 32 GiB on GPU 1 (the small card FIRST in PCI
-order, so the plugin has to reorder). The model is the bundled Qwen3.8-27B-class reference config
-(64 layers, 48 Gated DeltaNet + 16 attention, vision tower, one MTP layer) with dummy weights in
-W8A16 (compressed-tensors, int8 per channel) and FP8 (block 128); NVFP4 only on request (on SM 9.0
-vLLM runs NVFP4 through weight-only W4A16 kernels, not the W4A4 path the reference setup's
-Blackwell card uses). Every arm: MTP with 3 tokens, the vision tower on, fp8 KV, max_model_len
-262,144, --max-num-seqs 2 --max-num-batched-tokens 1024, prefix caching, CUDA graphs as vLLM
-defaults them (the expert's arm: PIECEWISE). Arms, per weight format, each ``vllm.LLM`` in a fresh
-process group with a time limit:
+The pair. By default a virtual pair on ONE GPU: ``VLLM_DUALGPU_VIRTUAL_GPUS=SPEC`` (the ``--gpus``
+syntax of ``vllm-dualgpu plan``, small card first) makes the plugin see those cards, all on
+physical GPU 0, each rank presenting as its card and held to its size. ``--virtual none`` uses
+two GPUs instead, ballast leaving 16 GiB free on GPU 0 and 32 GiB on GPU 1 (the small card first
+in PCI order, so the plugin has to reorder).
 
-1. stock: ``mp`` backend, vLLM's even split; default utilization, then the highest utilization
-   that passes vLLM's free-memory check, going down until one boots;
-2. expert: stock with the reference setup's hand-tuned flags (EXPERT), adapted to this pair;
-3. plugin: ``--distributed-executor-backend dualgpu`` and nothing else;
-4. split: the plugin with VLLM_PP_LAYER_PARTITION at its own split -2 and +2 layers.
+The model: the bundled Qwen3.8-27B-class reference config (64 layers, 48 Gated DeltaNet + 16
+attention, vision tower, one MTP layer) with dummy weights in the launcher's format: NVFP4 (on SM
+9.0 vLLM runs NVFP4 through its weight-only W4A16 kernels, Marlin or FlashInfer CuTe DSL, not the
+W4A4 path of the reference setup's Blackwell card: weights and KV are the same size, the GEMMs
+are not), W8A16 (compressed-tensors, int8 per channel), FP8 (block 128). The DFlash2 drafter is
+the stand-in config the recipes are planned with (tests/fixtures/dflash2_drafter_standin.json:
+5 layers of the target's width, W4A16, sliding-window attention), dummy weights too. Every arm:
+the launcher's drafter (DFlash2 with 7 tokens, or MTP with 3), the vision tower on, fp8 KV,
+max_model_len 262,144, --max-num-seqs 2 --max-num-batched-tokens 1024, prefix caching.
+
+Arms per launcher, each ``vllm.LLM`` in a fresh process group with a time limit:
+
+1. expert: the launcher's own flags as the reference setup writes them (EXPERT: split, block size,
+   block count, KV bytes, PIECEWISE CUDA graphs, FlashInfer autotune off, the drafter's flags);
+   stock vLLM's ``mp`` backend. Adapted to the pair (see expert_env): on two GPUs only the GPU
+   order (the small card is index 0 here, CUDA_VISIBLE_DEVICES=0,1 instead of 1,0). On the
+   virtual pair both ranks run on GPU 0: ``ParallelConfig.assigned_physical_gpu_ids=[0, 0]`` and
+   a distinct ``NCCL_HOSTID`` per worker process (so NCCL does not take the two ranks for one
+   device), set by a worker class (virtual_expert_worker.py) since vLLM's ``--device-ids``
+   refuses a repeated id; ``NCCL_SOCKET_IFNAME=lo``; spawned workers. The expert's hand-set
+   block count and split are what make its memory fit, as on the real cards; its per-rank cap
+   CANNOT be enforced without the plugin (stock vLLM knows nothing of 16 and 32 GiB cards on one
+   GPU): each rank's measured peak is compared with its card's size afterwards instead. The
+   free-memory check that vLLM still makes with --kv-cache-memory-bytes is passed with the
+   highest utilization that fits the smaller card (utilizations()), as a user would find it.
+   vLLM runs with this package installed: its patches that are not tied to the dualgpu executor
+   stay active (the reference setup's own patches did the same work for it).
+2. plugin: ``--distributed-executor-backend dualgpu`` and the serving flags, nothing else.
+3. split-2 / split+2: the plugin with VLLM_PP_LAYER_PARTITION at its own split -2 and +2 layers;
+   the expert's split too (split-at-expert: the plugin's per-step cost against the expert's on
+   the same split).
+A ``stock`` arm (vLLM's even split and default utilization) is available with --arms stock.
 
 Each arm that boots measures (``measure``): the KV pool, greedy token ids, TTFT at ~32K and ~250K
 tokens, decode ms per step at short, 32K and ~250K context, the second turn of a 33K conversation
-(prefix cache); the parent samples every GPU's used memory (the peak includes the 250K prompt).
-A refusal records vLLM's or the plugin's line with the largest context that fits. Results per arm
-in OUTDIR/arms/*.json, all of them in OUTDIR/headline.json and OUTDIR/headline.md (rebuilt after
-every arm, so a killed run keeps what it measured; a later call with other --arms adds to them).
+(prefix cache). The parent samples every GPU process's used memory (NVML, every 0.25 s) and maps
+each worker process to its pipeline rank from vLLM's log prefix (``Worker_PP<r> pid=<pid>``): the
+per-rank peak, the 250K prompt included. A refusal records vLLM's or the plugin's line with the
+largest context that fits. Results per arm in OUTDIR/arms/*.json; OUTDIR/headline.json is the
+issue's schema (``headline_row``: launcher, arm, booted, split, max_model_len, pool_tokens,
+peak_mib and card_mib per rank, ms_per_step short/32k/250k, ttft_s 32k/250k, predicted_peak_mib
+per rank from the plan) and OUTDIR/headline.md the table, both rebuilt after every arm.
 
-``--speed``: a bandwidth hog on GPU 1 (the big card) and a sweep of the plugin's split measuring
-decode ms/step; see ``speed_main``. ``arm_specs`` is what the CPU tests check
+``--speed`` (two GPUs only): a bandwidth hog on GPU 1 (the big card) and a sweep of the plugin's
+split measuring decode ms/step; see ``speed_main``. ``arm_specs`` is what the CPU tests check
 (tests/integration/test_headline_configs.py): every arm's engine arguments and environment.
 """
 
@@ -40,65 +69,94 @@ import dataclasses
 import functools
 import json
 import math
+import re
 import sys
+import threading
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[0] / "tests" / "gpu"))
+ROOT = HERE.parents[0]
+sys.path.insert(0, str(ROOT / "tests" / "gpu"))
 sys.path.insert(0, str(HERE))
 from gpu_harness import GiB, ballast, grep, on_signals_stop_all, run_llm, start_group, stop_group, tail  # noqa: E402
 from gpu_models import gdn_prefill_config, write_reference_model  # noqa: E402
 
-FREE = [16.0, 32.0]  # GiB left free per GPU, PCI order: the small card first
-QUANTS = ("w8a16", "fp8")  # the default run; "nvfp4" on request
+FREE = [16.0, 32.0]  # GiB per card, the small card first
+VIRTUAL = "RTX 4070 Ti SUPER:16GiB,RTX 5090:32GiB"  # --virtual's default: the reference pair
+DRAFTER_CONFIG = ROOT / "tests" / "fixtures" / "dflash2_drafter_standin.json"
 NUM_LAYERS = 64
 MAX_MODEL_LEN = 262_144
 MTP = {"method": "mtp", "num_speculative_tokens": 3}
-# The reference setup's hand-tuned flags (its launchers, as issue 18 lists them). Its small card
-# is rank 0 (CUDA_VISIBLE_DEVICES=1,0 on its box, where the 5090 is index 0); here the small card
-# is already index 0, so the order is 0,1. Its splits: NVFP4 13/51, W8A16 19/45, FP8 21/43,
-# FP8+MTP 20/44; every arm here runs MTP and the reference has an MTP launcher for FP8 only, so
-# W8A16 and NVFP4 take their split moved by the one layer the expert moved for MTP (FP8 21 -> 20).
-# 180 blocks of 1664 tokens is its MTP pool (375 without MTP); 9e9 bytes of KV per rank caps
-# what vLLM reserves. The shim (smfix.so) only fixes a mismatched SM pair: both H200s are SM 9.0.
-# The free-memory check still applies with --kv-cache-memory-bytes (vLLM's request_memory), so
-# the utilization is the highest that passes it on the 16 GiB card, as a user finds it.
+DFLASH_TOKENS = 7
+LAUNCHERS = ("nvfp4-dflash2", "w8a16-dflash2", "fp8-dflash2", "fp8-mtp")
+QUANT = {"nvfp4-dflash2": "nvfp4", "w8a16-dflash2": "w8a16", "fp8-dflash2": "fp8", "fp8-mtp": "fp8"}
+# The reference setup's launchers (launchers/*-262k.sh there). DFlash2: --block-size 1664 (its
+# drafter-page promotion on stock 0.30 needed it), 375 blocks (2 x 158 attention + 6 x 9 GDN + 5
+# window blocks: one 262,144-token request), the drafter on Triton attention, the eagle block drop
+# off, one prefix-cache checkpoint per block, FlashInfer autotune off. MTP: vLLM's own block size
+# (1,600 at 3 tokens), 164 + 3 x (2 + 3) + 1 = 180 blocks. All: --kv-cache-memory-bytes 9e9 (it
+# only skips vLLM's profile: the block count sizes the pool), PIECEWISE CUDA graphs.
 EXPERT = {
-    "partition": {"fp8": [20, 44], "w8a16": [18, 46], "nvfp4": [12, 52]},
-    "block_size": 1664, "num_gpu_blocks_override": 180, "kv_cache_memory_bytes": 9_000_000_000,
-    "cudagraph_mode": "PIECEWISE", "enable_flashinfer_autotune": False, "cuda_visible_devices": "0,1",
+    "nvfp4-dflash2": {"partition": [13, 51], "block_size": 1664, "num_gpu_blocks_override": 375},
+    "w8a16-dflash2": {"partition": [19, 45], "block_size": 1664, "num_gpu_blocks_override": 375},
+    "fp8-dflash2": {"partition": [21, 43], "block_size": 1664, "num_gpu_blocks_override": 375},
+    "fp8-mtp": {"partition": [20, 44], "block_size": None, "num_gpu_blocks_override": 180},
 }
+EXPERT_COMMON = {"kv_cache_memory_bytes": 9_000_000_000, "cudagraph_mode": "PIECEWISE"}
+MTP_BLOCK = 1600  # vLLM's hybrid block size at 3 MTP tokens (the MTP launcher's BLOCK)
 SPLIT_STEPS = (-2, 2)
 ARM_KINDS = ("stock", "expert", "plugin", "split")
+DEFAULT_ARMS = ("expert", "plugin", "split")
 ARM_LIMIT_S = {"stock": 300, "expert": 600, "plugin": 600, "split": 420}  # each arm's wall-clock limit
 SPLIT_MEASURES = ("short", "mid")  # the split arms: pool and ms/step
-# Prompt lengths (tokens): ~32K and ~250K (the 250K prompt plus 3 speculative and the decode
-# tokens stay under 262,144); the conversation's first turn is 33K.
+# Prompt lengths (tokens): ~32K and ~250K (the 250K prompt plus the draft and decode tokens stay
+# under 262,144); the conversation's first turn is 33K.
 LONG, MID, SHORT, TURN = 250_000, 32_768, 64, 33_000
 DECODE_TOKENS = 64
 H200_TOTAL_GIB = 143771 / 1024  # what NVML reports for an H200 (the planner's KNOWN_GPUS)
+EXPERT_WORKER = "virtual_expert_worker.VirtualPairExpertWorker"
 
 
 @dataclasses.dataclass
 class Arm:
-    name: str  # "<quant>/<kind>[-detail]"
+    name: str  # "<launcher>/<kind>[-detail]"
     kind: str  # one of ARM_KINDS
-    quant: str
+    launcher: str
     kwargs: dict
     env: dict
+
+    @property
+    def quant(self) -> str:
+        return QUANT[self.launcher]
 
     @property
     def file(self) -> str:
         return self.name.replace("/", "_")
 
 
-def common_kwargs(model: Path) -> dict:
+def virtual_cards(spec: str | None) -> list[float] | None:
+    """The cards' sizes (GiB) of a --virtual spec, in the plugin's order; None: two real GPUs."""
+    if not spec:
+        return None
+    from vllm_dualgpu.planner import parse_gpus
+
+    return [g.total_bytes / GiB for g in parse_gpus(spec)]
+
+
+def speculative(launcher: str, drafter: Path | None) -> dict:
+    if launcher.endswith("-mtp"):
+        return dict(MTP)
+    return {"method": "dflash", "model": str(drafter), "num_speculative_tokens": DFLASH_TOKENS}
+
+
+def common_kwargs(model: Path, launcher: str = "fp8-mtp", drafter: Path | None = None) -> dict:
     """The flags every arm shares: what a user of the reference setup types."""
     return {"model": str(model), "load_format": "dummy", "max_model_len": MAX_MODEL_LEN,
             "pipeline_parallel_size": 2, "max_num_seqs": 2, "max_num_batched_tokens": 1024,
-            "kv_cache_dtype": "fp8", "speculative_config": dict(MTP), "enable_prefix_caching": True,
-            "additional_config": gdn_prefill_config(), "disable_log_stats": False}
+            "kv_cache_dtype": "fp8", "speculative_config": speculative(launcher, drafter),
+            "enable_prefix_caching": True, "additional_config": gdn_prefill_config(),
+            "disable_log_stats": False}
 
 
 def utilizations(free_gib: list[float], total_gib: float, tries: int = 3) -> list[float]:
@@ -108,32 +166,79 @@ def utilizations(free_gib: list[float], total_gib: float, tries: int = 3) -> lis
     return [round(top - 0.01 * i, 2) for i in range(tries) if top - 0.01 * i > 0]
 
 
-def arm_specs(quant: str, model: Path, *, total_gib: float, chosen: list[int] | None = None,
-              free_gib: list[float] = FREE) -> list[Arm]:
-    """Every arm of one weight format, in run order. ``chosen``: the plugin's split (arm 3's plan);
-    without it the split arms are left out."""
-    base = common_kwargs(model)
+def pair_env(virtual: str | None) -> dict:
+    """What the plugin's arms add to their environment: the virtual pair and spawned workers."""
+    order = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    if not virtual:
+        return order
+    return {**order, "VLLM_DUALGPU_VIRTUAL_GPUS": virtual, "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+
+
+def expert_env(launcher: str, virtual: str | None) -> dict:
+    """The expert's environment: its split, its GPU order adapted to the pair (see the module
+    docstring); on the virtual pair both ranks on GPU 0 through EXPERT_WORKER."""
+    env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+           "VLLM_PP_LAYER_PARTITION": ",".join(map(str, EXPERT[launcher]["partition"]))}
+    if not virtual:
+        return {**env, "CUDA_VISIBLE_DEVICES": "0,1"}
+    return {**env, "CUDA_VISIBLE_DEVICES": "0", "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+            "NCCL_SOCKET_IFNAME": "lo", "PYTHONPATH": str(HERE)}
+
+
+def expert_kwargs(launcher: str, base: dict, utilization: float, virtual: str | None) -> dict:
+    e = EXPERT[launcher]
+    block = e["block_size"] or MTP_BLOCK
+    spec = {**base["speculative_config"], "disable_eagle_block_drop": True}
+    kw = {**base, "distributed_executor_backend": "mp", "gpu_memory_utilization": utilization,
+          "num_gpu_blocks_override": e["num_gpu_blocks_override"],
+          "kv_cache_memory_bytes": EXPERT_COMMON["kv_cache_memory_bytes"],
+          "compilation_config": {"cudagraph_mode": EXPERT_COMMON["cudagraph_mode"]},
+          "prefix_cache_retention_interval": block}
+    if e["block_size"]:
+        kw["block_size"] = e["block_size"]
+    if spec["method"] == "dflash":
+        spec["attention_backend"] = "TRITON_ATTN"  # the drafter only (the launchers' DRAFT_ATTN)
+        kw["enable_flashinfer_autotune"] = False
+    kw["speculative_config"] = spec
+    if virtual:
+        kw["worker_cls"] = EXPERT_WORKER
+    return kw
+
+
+def arm_specs(launcher: str, model: Path, *, total_gib: float, drafter: Path | None = None,
+              chosen: list[int] | None = None, free_gib: list[float] = FREE,
+              virtual: str | None = None) -> list[Arm]:
+    """Every arm of one launcher, in run order. ``chosen``: the plugin's split (arm 2's plan);
+    without it the split arms are left out. ``virtual``: the --virtual spec (None: two GPUs)."""
+    base = common_kwargs(model, launcher, drafter)
     order = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
     stock = {**base, "distributed_executor_backend": "mp"}
-    arms = [Arm(f"{quant}/stock-default", "stock", quant, dict(stock), dict(order))]
-    arms += [Arm(f"{quant}/stock-u{u:.2f}", "stock", quant, {**stock, "gpu_memory_utilization": u}, dict(order))
-             for u in utilizations(free_gib, total_gib)]
-    e = EXPERT
-    arms.append(Arm(f"{quant}/expert", "expert", quant, {
-        **stock, "gpu_memory_utilization": utilizations(free_gib, total_gib)[0], "block_size": e["block_size"],
-        "num_gpu_blocks_override": e["num_gpu_blocks_override"], "kv_cache_memory_bytes": e["kv_cache_memory_bytes"],
-        "compilation_config": {"cudagraph_mode": e["cudagraph_mode"]},
-        "enable_flashinfer_autotune": e["enable_flashinfer_autotune"]},
-        {**order, "CUDA_VISIBLE_DEVICES": e["cuda_visible_devices"],
-         "VLLM_PP_LAYER_PARTITION": ",".join(map(str, e["partition"][quant]))}))
+    arms = []
+    if not virtual:  # stock vLLM cannot put two ranks on one GPU (only the expert's worker class does)
+        arms.append(Arm(f"{launcher}/stock-default", "stock", launcher, dict(stock), dict(order)))
+        arms += [Arm(f"{launcher}/stock-u{u:.2f}", "stock", launcher, {**stock, "gpu_memory_utilization": u},
+                     dict(order)) for u in utilizations(free_gib, total_gib)]
+    arms.append(Arm(f"{launcher}/expert", "expert", launcher,
+                    expert_kwargs(launcher, base, utilizations(free_gib, total_gib)[0], virtual),
+                    expert_env(launcher, virtual)))
     plugin = {**base, "distributed_executor_backend": "dualgpu"}
-    arms.append(Arm(f"{quant}/plugin", "plugin", quant, dict(plugin), dict(order)))
-    firsts = [chosen[0] + d for d in SPLIT_STEPS] + [e["partition"][quant][0]] if chosen else []
-    for first in dict.fromkeys(firsts):  # the expert's split: the plugin's per-step cost on the same split
-        if 0 < first < NUM_LAYERS and first != chosen[0]:
-            arms.append(Arm(f"{quant}/split-{first}_{NUM_LAYERS - first}", "split", quant, dict(plugin),
-                            {**order, "VLLM_PP_LAYER_PARTITION": f"{first},{NUM_LAYERS - first}"}))
+    arms.append(Arm(f"{launcher}/plugin", "plugin", launcher, dict(plugin), pair_env(virtual)))
+    expert_split = EXPERT[launcher]["partition"]
+    if chosen:
+        named = {chosen[0] + d: f"split{d:+d}" for d in SPLIT_STEPS}
+        named.setdefault(expert_split[0], "split-at-expert")
+        for first, label in named.items():  # the expert's split: the plugin's per-step cost on it
+            if 0 < first < NUM_LAYERS and first != chosen[0]:
+                arms.append(Arm(f"{launcher}/{label}", "split", launcher, dict(plugin),
+                                {**pair_env(virtual), "VLLM_PP_LAYER_PARTITION": f"{first},{NUM_LAYERS - first}"}))
     return arms
+
+
+def write_drafter(out: Path) -> Path:
+    """The DFlash2 stand-in drafter as a model folder for load_format="dummy"."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(DRAFTER_CONFIG.read_text())
+    return out
 
 
 # --- in the engine's process (spawned; module-level functions) ---------------------------------------
@@ -244,19 +349,93 @@ def predicted_used_gib(plan: dict) -> list[float | None]:
     return used
 
 
-def run_arm(arm: Arm, out: Path, job, timeout: float) -> dict:
-    from memory_sweep import NvmlSampler
+def predicted_peak_mib(plan: dict) -> list[int] | None:
+    """Each rank's predicted peak (MiB), rank 0 first: weights, fixed costs (CUDA context, embedding,
+    vision tower, head, drafter), the runtime reserve (the profile run's transient peak, workspaces,
+    CUDA graphs, NCCL buffers) and the KV cache: what the rank holds at most while it serves."""
+    ranks = plan.get("ranks") or []
+    if not ranks:
+        return None
+    return [round((r["weights_bytes"] + r["fixed_bytes"] + r["reserve_bytes"] + r["kv_cache_bytes"]) / 2**20)
+            for r in ranks]
 
+
+class ProcessPeaks:
+    """Used GPU memory of every process on every GPU, every ``period`` s (NVML's per-process
+    figure, which is what a rank holds whichever card it runs on): ``.peak[pid]`` in bytes; and
+    every GPU's used memory (``.gpu_peak``, ``.gpu_base``)."""
+
+    def __init__(self, period: float = 0.25):
+        import pynvml
+
+        pynvml.nvmlInit()
+        self.nvml, self.period = pynvml, period
+        self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        self.peak: dict[int, int] = {}
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def gpu_used(self) -> list[int]:
+        return [self.nvml.nvmlDeviceGetMemoryInfo(h).used for h in self.handles]
+
+    def _sample(self) -> None:
+        for h in self.handles:
+            try:
+                procs = self.nvml.nvmlDeviceGetComputeRunningProcesses(h)
+            except self.nvml.NVMLError:
+                continue
+            for p in procs:
+                used = p.usedGpuMemory or 0
+                self.peak[p.pid] = max(self.peak.get(p.pid, 0), used)
+        self.gpu_peak = [max(a, b) for a, b in zip(self.gpu_peak, self.gpu_used())]
+
+    def _run(self):
+        while not self._stop.is_set():
+            self._sample()
+            time.sleep(self.period)
+
+    def __enter__(self):
+        self.gpu_base = self.gpu_peak = self.gpu_used()
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+
+
+def rank_pids(lines: list[str]) -> dict[int, int]:
+    """Pipeline rank of each worker process, from vLLM's log prefix (``(Worker_PP1 pid=1234)``,
+    ``(Worker_PP0_TP0 pid=...)``)."""
+    out: dict[int, int] = {}
+    for line in lines:
+        for m in re.finditer(r"\(Worker\w*?_PP(\d+)\w* pid=(\d+)\)", line):
+            out[int(m.group(2))] = int(m.group(1))
+    return out
+
+
+def rank_peaks_mib(log: Path, peaks: dict[int, int], pp: int = 2) -> list[int | None]:
+    """Each rank's peak (MiB) from the per-process samples; None where no process was mapped."""
+    by_rank: list[int | None] = [None] * pp
+    for pid, rank in rank_pids(grep(log, r"Worker\w*_PP\d")).items():
+        if rank < pp and pid in peaks:
+            by_rank[rank] = max(by_rank[rank] or 0, round(peaks[pid] / 2**20))
+    return by_rank
+
+
+def run_arm(arm: Arm, out: Path, job, timeout: float, cards_mib: list[int] | None = None) -> dict:
     log = out / "logs" / f"{arm.file}.log"
     plan_file = out / "logs" / f"{arm.file}.plan.json"
     env = {**arm.env, "VLLM_DUALGPU_PLAN_FILE": str(plan_file)}
-    with NvmlSampler() as s:
+    with ProcessPeaks() as s:
         res = run_llm(arm.kwargs, job, log=log, timeout=timeout, env=env)
-    r = {"name": arm.name, "kind": arm.kind, "quant": arm.quant, "env": env, "kwargs": arm.kwargs,
-         **{k: v for k, v in res.items() if k != "log"}}
+    r = {"name": arm.name, "kind": arm.kind, "launcher": arm.launcher, "quant": arm.quant, "env": env,
+         "kwargs": arm.kwargs, **{k: v for k, v in res.items() if k != "log"}}
     r["kv_tokens"] = res["num_gpu_blocks"] * res["block_size"] if res.get("num_gpu_blocks") else None
     r["booted"] = r["kv_tokens"] is not None
-    r["peak_used_gib"] = [round((pk - b) / GiB, 3) for pk, b in zip(s.peak, s.base)]
+    r["peak_used_gib"] = [round((pk - b) / GiB, 3) for pk, b in zip(s.gpu_peak, s.gpu_base)]
+    r["peak_mib"] = rank_peaks_mib(log, s.peak)
+    r["card_mib"] = cards_mib
     r["rank_lines"] = grep(log, r"vllm-dualgpu rank \d")
     r["refusals"] = [line[-500:] for line in grep(log, r"ValueError|does not fit|less than desired|maximum model length")][:4]
     r["largest_context"] = MAX_MODEL_LEN if r["booted"] and r["kv_tokens"] >= MAX_MODEL_LEN else largest_context(r["refusals"])
@@ -264,6 +443,7 @@ def run_arm(arm: Arm, out: Path, job, timeout: float) -> dict:
         r["plan"] = json.loads(plan_file.read_text())
         r["partition"] = r["plan"].get("partition")
         r["predicted_used_gib"] = predicted_used_gib(r["plan"])
+        r["predicted_peak_mib"] = predicted_peak_mib(r["plan"])
     elif "VLLM_PP_LAYER_PARTITION" in arm.env:
         r["partition"] = [int(x) for x in arm.env["VLLM_PP_LAYER_PARTITION"].split(",")]
     if not r["booted"]:
@@ -271,8 +451,33 @@ def run_arm(arm: Arm, out: Path, job, timeout: float) -> dict:
     (out / "arms").mkdir(parents=True, exist_ok=True)
     (out / "arms" / f"{arm.file}.json").write_text(json.dumps(r, indent=1, default=str))
     print(json.dumps({k: r.get(k) for k in ("name", "booted", "kv_tokens", "partition", "boot_s", "wall_s",
-                                            "peak_used_gib")}), flush=True)
+                                            "peak_mib")}), flush=True)
     return r
+
+
+def arm_label(r: dict) -> str:
+    """The issue's ``arm``: expert, plugin, split-2, split+2 (split-at-expert, stock-...)."""
+    return r["name"].split("/", 1)[1]
+
+
+def headline_row(r: dict) -> dict:
+    """One arm in issue #28's headline.json schema."""
+    d = {k: r.get(k) if isinstance(r.get(k), dict) else {} for k in ("short", "mid", "long")}
+    pool = None
+    if r.get("kv_tokens") is not None:
+        pool = r["kv_tokens"]
+    return {
+        "launcher": r.get("launcher"), "arm": arm_label(r), "booted": bool(r.get("booted")),
+        "refusal": None if r.get("booted") else (r.get("refusals") or [r.get("error")])[0],
+        "split": r.get("partition"), "max_model_len": r.get("largest_context"),
+        "pool_tokens": pool, "peak_mib": r.get("peak_mib"), "card_mib": r.get("card_mib"),
+        "ms_per_step": {"short": d["short"].get("decode_ms_per_step"), "32k": d["mid"].get("decode_ms_per_step"),
+                        "250k": d["long"].get("decode_ms_per_step")},
+        "ttft_s": {"32k": d["mid"].get("ttft_s"), "250k": d["long"].get("ttft_s")},
+        "second_turn_ttft_s": (r.get("second_turn") or {}).get("second_turn_ttft_s"),
+        "greedy_token_ids": r.get("greedy_token_ids"),
+        "predicted_peak_mib": r.get("predicted_peak_mib"),
+    }
 
 
 def fmt(x, spec: str = "") -> str:
@@ -280,18 +485,19 @@ def fmt(x, spec: str = "") -> str:
 
 
 def table(results: list[dict]) -> str:
-    rows = ["| arm | split | boots | boot (s) | KV pool (tokens) | largest context | TTFT 32K / 250K (s) | "
-            "decode ms/step short / 32K / 250K | 2nd turn of 33K, TTFT (s) | peak GPU0 / GPU1 (GiB) | "
-            "predicted GPU0 / GPU1 (GiB) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| launcher | arm | split | boots | KV pool (tokens) | largest context | TTFT 32K / 250K (s) | "
+            "decode ms/step short / 32K / 250K | 2nd turn of 33K, TTFT (s) | peak rank 0 / 1 (MiB) | "
+            "card rank 0 / 1 (MiB) | predicted rank 0 / 1 (MiB) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        d = {k: r.get(k) if isinstance(r.get(k), dict) else {} for k in ("short", "mid", "long", "second_turn")}
+        h = headline_row(r)
+        pair = lambda xs: " / ".join(fmt(x, ",") for x in (xs or [None, None]))  # noqa: E731
         rows.append(
-            f"| {r['name']} | {'/'.join(map(str, r.get('partition') or [])) or 'even'} | {'yes' if r['booted'] else 'no'} | "
-            f"{fmt(r.get('boot_s'))} | {fmt(r.get('kv_tokens'), ',')} | {fmt(r.get('largest_context'), ',')} | "
-            f"{fmt(d['mid'].get('ttft_s'))} / {fmt(d['long'].get('ttft_s'))} | "
-            f"{' / '.join(fmt(d[k].get('decode_ms_per_step')) for k in ('short', 'mid', 'long'))} | "
-            f"{fmt(d['second_turn'].get('second_turn_ttft_s'))} | {' / '.join(f'{x:.2f}' for x in r['peak_used_gib'])} | "
-            f"{' / '.join(fmt(x, '.2f') for x in r.get('predicted_used_gib') or [None, None])} |")
+            f"| {h['launcher']} | {h['arm']} | {'/'.join(map(str, h['split'] or [])) or 'even'} | "
+            f"{'yes' if h['booted'] else 'no'} | {fmt(h['pool_tokens'], ',')} | {fmt(h['max_model_len'], ',')} | "
+            f"{fmt(h['ttft_s']['32k'])} / {fmt(h['ttft_s']['250k'])} | "
+            f"{' / '.join(fmt(h['ms_per_step'][k]) for k in ('short', '32k', '250k'))} | "
+            f"{fmt(h['second_turn_ttft_s'])} | {pair(h['peak_mib'])} | {pair(h['card_mib'])} | "
+            f"{pair(h['predicted_peak_mib'])} |")
     ranks = [f"    {r['name']}: {line.split('] ', 1)[-1]}" for r in results for line in r.get("rank_lines", [])]
     if ranks:
         rows += ["", "Per-rank lines (predicted vs vLLM's profile):", "", *ranks]
@@ -300,43 +506,50 @@ def table(results: list[dict]) -> str:
 
 def save_all(out: Path) -> list[dict]:
     results = [json.loads(p.read_text()) for p in sorted((out / "arms").glob("*.json"))]
-    results.sort(key=lambda r: (r["quant"], ARM_KINDS.index(r["kind"]), r["name"]))
-    (out / "headline.json").write_text(json.dumps(results, indent=1, default=str))
+    order = {name: i for i, name in enumerate(LAUNCHERS)}
+    results.sort(key=lambda r: (order.get(r.get("launcher"), 99), ARM_KINDS.index(r["kind"]), r["name"]))
+    (out / "headline.json").write_text(json.dumps([headline_row(r) for r in results], indent=1, default=str))
     (out / "headline.md").write_text(table(results))
     return results
 
 
-def gpu_total_gib() -> float:
+def gpu_total_gib(count: int = 2) -> float:
     import pynvml
 
     pynvml.nvmlInit()
     return min(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).total
-               for i in range(2)) / GiB
+               for i in range(count)) / GiB
 
 
-def plugin_split(out: Path, quant: str) -> list[int] | None:
-    """Arm 3's split, from its result file (this run's or an earlier call's)."""
-    f = out / "arms" / f"{quant}_plugin.json"
+def plugin_split(out: Path, launcher: str) -> list[int] | None:
+    """Arm 2's split, from its result file (this run's or an earlier call's)."""
+    f = out / "arms" / f"{launcher}_plugin.json"
     return json.loads(f.read_text()).get("partition") if f.exists() else None
 
 
-def run_quant(quant: str, out: Path, kinds: set[str], total: float) -> None:
-    """The arms of ``kinds`` for one weight format, in order; stock stops at the first boot."""
+def run_launcher(launcher: str, out: Path, kinds: set[str], total: float, virtual: str | None) -> None:
+    """The arms of ``kinds`` for one launcher, in order; stock stops at the first boot."""
+    quant = QUANT[launcher]
     model = write_reference_model(out / "models" / quant, quant)
+    drafter = write_drafter(out / "models" / "dflash2-drafter")
+    cards = virtual_cards(virtual) or FREE
+    cards_mib = [round(c * 1024) for c in cards]
     stock_booted = False
-    for arm in arm_specs(quant, model, total_gib=total):
+    specs = functools.partial(arm_specs, launcher, model, total_gib=total, drafter=drafter, free_gib=cards,
+                              virtual=virtual)
+    for arm in specs():
         if arm.kind not in kinds or (arm.kind == "stock" and stock_booted):
             continue
         limit = ARM_LIMIT_S[arm.kind]
         job = boot_only if arm.kind == "stock" else functools.partial(measure, deadline=time.time() + limit - 60)
-        stock_booted |= arm.kind == "stock" and run_arm(arm, out, job, limit)["booted"]
+        stock_booted |= arm.kind == "stock" and run_arm(arm, out, job, limit, cards_mib)["booted"]
         save_all(out)
-    chosen = plugin_split(out, quant)
+    chosen = plugin_split(out, launcher)
     if "split" in kinds and chosen:
-        for arm in arm_specs(quant, model, total_gib=total, chosen=chosen):
+        for arm in specs(chosen=chosen):
             if arm.kind == "split":
                 job = functools.partial(measure, deadline=time.time() + ARM_LIMIT_S["split"] - 60, parts=SPLIT_MEASURES)
-                run_arm(arm, out, job, ARM_LIMIT_S["split"])
+                run_arm(arm, out, job, ARM_LIMIT_S["split"], cards_mib)
                 save_all(out)
 
 
@@ -399,19 +612,21 @@ def planned_split(model: Path, free_gib: list[float], total_gib: float, bw: list
     return {"order": list(p.order), "partition": list(p.partition)}
 
 
-def speed_main(out: Path, quant: str, total: float, sweep: range) -> dict:
+def speed_main(out: Path, launcher: str, total: float, sweep: range) -> dict:
     """A copy loop on GPU 1 (the 32 GiB card) takes part of its bandwidth; copy bandwidth of both
     GPUs before and after; the planner's speed split for the measured figures next to its split for
     NVML's (which the hog does not change: the plugin can only be told a bandwidth through NVML);
     the plugin at VLLM_DUALGPU_OBJECTIVE=speed; then every split in ``sweep`` (layers on the first
     rank), decode ms/step at short context twice. Stable only if both bandwidth readings agree
     within 5% and each split's two ms/step readings within 1.5% (half the 3% being judged)."""
+    quant = QUANT[launcher]
     model = write_reference_model(out / "models" / quant, quant)
+    drafter = write_drafter(out / "models" / "dflash2-drafter")
     logs = out / "logs"
     ready = logs / "hog1.ready"
     ready.unlink(missing_ok=True)
     hog = start_group([sys.executable, str(Path(__file__).resolve()), "hog", "1", str(ready)], logs / "hog1.log")
-    res: dict = {"quant": quant}
+    res: dict = {"launcher": launcher, "quant": quant}
     try:
         end = time.time() + 120
         while not ready.exists() and time.time() < end and hog.poll() is None:
@@ -424,15 +639,15 @@ def speed_main(out: Path, quant: str, total: float, sweep: range) -> dict:
             if copy and nvml:
                 res["planned_measured"] = planned_split(model, FREE, total, copy, "speed")
                 res["planned_nvml"] = planned_split(model, FREE, total, nvml, "speed")
-            base = common_kwargs(model)
-            plugin = Arm(f"{quant}/speed-plugin", "plugin", quant, {**base, "distributed_executor_backend": "dualgpu"},
+            base = common_kwargs(model, launcher, drafter)
+            plugin = Arm(f"{launcher}/speed-plugin", "plugin", launcher, {**base, "distributed_executor_backend": "dualgpu"},
                          {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "VLLM_DUALGPU_OBJECTIVE": "speed"})
             job = functools.partial(measure, deadline=time.time() + 540, parts=("short",))
             res["plugin"] = run_arm(plugin, out, job, 600)
             res["sweep"] = []
             for first in sweep:
                 env = {**plugin.env, "VLLM_PP_LAYER_PARTITION": f"{first},{NUM_LAYERS - first}"}
-                a = dataclasses.replace(plugin, name=f"{quant}/speed-split-{first}_{NUM_LAYERS - first}", env=env)
+                a = dataclasses.replace(plugin, name=f"{launcher}/speed-split-{first}_{NUM_LAYERS - first}", env=env)
                 r = run_arm(a, out, functools.partial(speed_job, deadline=time.time() + 400), 420)
                 res["sweep"].append(r)
             res["bw_after"] = run_llm(None, bandwidths, log=logs / "bw_after.log", timeout=120)
@@ -481,36 +696,73 @@ def speed_verdict(res: dict) -> dict:
     return v
 
 
+def virtual_split(launcher: str, model: Path, drafter: Path, virtual: str) -> list[int]:
+    """The pure planner's split for the plugin's arm on the virtual cards (what `vllm-dualgpu
+    plan` says for the same command): the split arms' starting point in --dry-run."""
+    from vllm_dualgpu.patching.runtime import runtime_assumptions
+    from vllm_dualgpu.planner import ModelSpec, PlanRequest, fit, parse_gpus
+
+    spec = speculative(launcher, drafter)
+    if spec["method"] == "dflash":
+        spec["draft_config"] = json.loads((drafter / "config.json").read_text())
+    req = PlanRequest(max_model_len=MAX_MODEL_LEN, kv_cache_dtype="fp8", max_num_seqs=2, max_num_batched_tokens=1024,
+                      speculative=spec, **runtime_assumptions().request_fields())
+    return list(fit(ModelSpec.from_hf_config(json.loads((model / "config.json").read_text())),
+                    parse_gpus(virtual), req).plan.partition)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("outdir", type=Path)
-    ap.add_argument("--quants", default=",".join(QUANTS), help="comma-separated: w8a16, fp8, nvfp4")
-    ap.add_argument("--arms", default=",".join(ARM_KINDS), help="comma-separated: " + ", ".join(ARM_KINDS))
-    ap.add_argument("--speed", action="store_true", help="the speed-aware split instead of the arms")
+    ap.add_argument("--launchers", default=",".join(LAUNCHERS), help="comma-separated: " + ", ".join(LAUNCHERS))
+    ap.add_argument("--arms", default=",".join(DEFAULT_ARMS), help="comma-separated: " + ", ".join(ARM_KINDS))
+    ap.add_argument("--virtual", default=VIRTUAL, metavar="SPEC",
+                    help="the virtual pair on GPU 0 (VLLM_DUALGPU_VIRTUAL_GPUS, `plan --gpus` syntax, small "
+                         f"card first; default {VIRTUAL!r}); 'none': two GPUs with ballast")
+    ap.add_argument("--speed", action="store_true", help="the speed-aware split instead of the arms (two GPUs)")
     ap.add_argument("--sweep", default="14,30", help="--speed: first-rank layer counts FROM,TO (every 2)")
     ap.add_argument("--dry-run", action="store_true", help="print every arm's arguments and environment")
     args = ap.parse_args()
-    quants = [q for q in args.quants.split(",") if q]
+    launchers = [x for x in args.launchers.split(",") if x]
+    unknown = [x for x in launchers if x not in LAUNCHERS]
+    if unknown:
+        ap.error(f"unknown launcher(s) {unknown}; use {', '.join(LAUNCHERS)}")
     kinds = set(filter(None, args.arms.split(",")))
+    virtual = None if args.virtual.lower() in ("", "none") else args.virtual
+    if virtual:
+        virtual_cards(virtual)  # a bad spec fails here, with parse_gpus's line
     out = args.outdir.resolve()
     out.mkdir(parents=True, exist_ok=True)
     if args.dry_run:
         total = H200_TOTAL_GIB
-        arms = [a for q in quants for a in arm_specs(q, out / "models" / q, total_gib=total,
-                                                      chosen=plugin_split(out, q) or planned_split(
-                                                          write_reference_model(out / "models" / q, q, tokenizer=False),
-                                                          FREE, total, [None, None], "pool")["partition"])]
+        cards = virtual_cards(virtual) or FREE
+        drafter = write_drafter(out / "models" / "dflash2-drafter")
+        arms = []
+        for name in launchers:
+            model = write_reference_model(out / "models" / QUANT[name], QUANT[name], tokenizer=False)
+            chosen = plugin_split(out, name) or (
+                virtual_split(name, model, drafter, virtual) if virtual
+                else planned_split(model, FREE, total, [None, None], "pool")["partition"])
+            arms += arm_specs(name, model, total_gib=total, drafter=drafter, chosen=chosen, free_gib=cards,
+                              virtual=virtual)
         print(json.dumps([dataclasses.asdict(a) for a in arms], indent=1))
         return 0
     on_signals_stop_all()
-    total = gpu_total_gib()
     if args.speed:
+        if virtual:
+            ap.error("--speed needs two GPUs (a bandwidth hog on the big one): add --virtual none")
         lo, hi = map(int, args.sweep.split(","))
-        speed_main(out / "speed", quants[0], total, range(lo, hi + 1, 2))
+        speed_main(out / "speed", launchers[0], gpu_total_gib(), range(lo, hi + 1, 2))
         return 0
-    with ballast(FREE, out / "logs"):
-        for q in quants:
-            run_quant(q, out, kinds, total)
+    if virtual:  # one GPU; its total decides the expert's utilization (vLLM's free-memory check)
+        total = gpu_total_gib(1)
+        for name in launchers:
+            run_launcher(name, out, kinds, total, virtual)
+    else:
+        total = gpu_total_gib()
+        with ballast(FREE, out / "logs"):
+            for name in launchers:
+                run_launcher(name, out, kinds, total, None)
     print(table(save_all(out)))
     return 0
 

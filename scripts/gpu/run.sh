@@ -12,8 +12,9 @@
 #   memory  benchmarks/memory_sweep.py OUTDIR/memory   (table, JSON, plot)
 #   soak    benchmarks/soak.py OUTDIR/soak             (longer than 10 min: start it with setsid nohup)
 #   fp8     benchmarks/fp8_tuning.py OUTDIR/fp8        (tuned files, default-vs-tuned table)
-#   headline benchmarks/headline.py OUTDIR/headline $HEADLINE_ARGS (two GPUs; all arms take about
-#           two hours: start it with setsid nohup, or pass e.g. HEADLINE_ARGS="--quants fp8 --arms plugin"
+#   headline benchmarks/headline.py OUTDIR/headline $HEADLINE_ARGS (a virtual pair on one GPU, or two
+#           GPUs with --virtual none; all arms take hours: start it with setsid nohup, or pass e.g.
+#           HEADLINE_ARGS="--launchers fp8-mtp --arms plugin"
 #           per call; each call adds its arms to OUTDIR/headline/headline.{json,md})
 # Each step ends its own processes (gpu_harness.stop_group, also on STEP_LIMIT's SIGTERM). Exit 1 if a step failed.
 set -uo pipefail

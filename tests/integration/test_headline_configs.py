@@ -1,5 +1,6 @@
-"""benchmarks/headline.py's arms (issue 18) as vLLM builds them on the CPU: every arm's real
-VllmConfig, checked against what the issue asks (backends, splits, flags, weight formats); and the
+"""benchmarks/headline.py's arms (issues 18 and 28) as vLLM builds them on the CPU: every arm's
+real VllmConfig, checked against what the issue asks (the four launchers, backends, splits, the
+expert's flags, drafters, weight formats, the virtual pair); the headline.json schema; and the
 parts of the speed-aware split that need no GPU (the planner's split for measured bandwidths, the
 verdict). Nothing here starts an engine."""
 
@@ -27,7 +28,9 @@ def executor(cfg) -> str:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("headline")
-    return {q: hl.write_reference_model(root / q, q) for q in ("w8a16", "fp8", "nvfp4")}
+    out = {q: hl.write_reference_model(root / q, q) for q in ("w8a16", "fp8", "nvfp4")}
+    out["drafter"] = hl.write_drafter(root / "dflash2-drafter")
+    return out
 
 
 def by_name(arms):
@@ -42,40 +45,88 @@ def test_utilizations_are_the_highest_that_pass_the_free_memory_check():
         assert u * TOTAL <= 16.0
 
 
-def test_the_arms_are_the_issues(tmp_path):
-    arms = hl.arm_specs("fp8", tmp_path, total_gib=TOTAL, chosen=CHOSEN)
+def test_the_arms_are_the_issues_on_the_virtual_pair(tmp_path):
+    """Issue 28: per launcher the expert, the plugin, its split -2/+2 and at the expert's split,
+    on the default virtual pair (one GPU, no stock arm: stock vLLM cannot put two ranks on it)."""
+    spec = hl.VIRTUAL
+    assert spec == "RTX 4070 Ti SUPER:16GiB,RTX 5090:32GiB"
+    assert hl.virtual_cards(spec) == [16.0, 32.0]  # the small card first
+    arms = hl.arm_specs("fp8-mtp", tmp_path, total_gib=TOTAL, chosen=CHOSEN, free_gib=[16.0, 32.0], virtual=spec)
     a = by_name(arms)
-    assert list(a) == ["stock-default", "stock-u0.11", "stock-u0.10", "stock-u0.09", "expert", "plugin",
-                       "split-22_42", "split-26_38", "split-20_44"]
-    assert [x.kind for x in arms] == ["stock"] * 4 + ["expert", "plugin"] + ["split"] * 3
-    common = hl.common_kwargs(tmp_path)
+    assert list(a) == ["expert", "plugin", "split-2", "split+2", "split-at-expert"]
+    common = hl.common_kwargs(tmp_path, "fp8-mtp")
     assert common["max_model_len"] == 262144 and common["kv_cache_dtype"] == "fp8"
     assert common["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 3}
     assert (common["max_num_seqs"], common["max_num_batched_tokens"]) == (2, 1024)
     assert common["load_format"] == "dummy" and common["pipeline_parallel_size"] == 2
-    # arm 1: stock, vLLM's even split, vLLM's default utilization first
-    assert a["stock-default"].kwargs == {**common, "distributed_executor_backend": "mp"}
-    assert "VLLM_PP_LAYER_PARTITION" not in a["stock-default"].env
-    assert a["stock-u0.11"].kwargs["gpu_memory_utilization"] == 0.11
-    # arm 3: the plugin with no flag but the backend
+    # the plugin: no flag but the backend; the virtual pair and spawned workers in its environment
     assert a["plugin"].kwargs == {**common, "distributed_executor_backend": "dualgpu"}
-    assert set(a["plugin"].env) == {"CUDA_DEVICE_ORDER"}
-    # arm 4: the plugin's split +-2 and the expert's, nothing else changed
-    for name, part in (("split-22_42", "22,42"), ("split-26_38", "26,38"), ("split-20_44", "20,44")):
+    assert a["plugin"].env == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "VLLM_DUALGPU_VIRTUAL_GPUS": spec,
+                               "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    for name, part in (("split-2", "22,42"), ("split+2", "26,38"), ("split-at-expert", "20,44")):
         assert a[name].kwargs == a["plugin"].kwargs and a[name].env["VLLM_PP_LAYER_PARTITION"] == part
-    # arm 2: the reference setup's launcher flags
+        assert a[name].env["VLLM_DUALGPU_VIRTUAL_GPUS"] == spec
+    # the expert: stock vLLM, its launcher's flags, both ranks on GPU 0 through the worker class
     e = a["expert"]
-    assert e.kwargs["distributed_executor_backend"] == "mp"
-    assert (e.kwargs["block_size"], e.kwargs["num_gpu_blocks_override"]) == (1664, 180)
-    assert e.kwargs["kv_cache_memory_bytes"] == 9 * 10**9
+    assert e.kwargs["distributed_executor_backend"] == "mp" and e.kwargs["worker_cls"] == hl.EXPERT_WORKER
+    assert e.kwargs["num_gpu_blocks_override"] == 180 and "block_size" not in e.kwargs  # vLLM's 1,600
+    assert e.kwargs["prefix_cache_retention_interval"] == 1600
+    assert e.kwargs["kv_cache_memory_bytes"] == 9 * 10**9 and e.kwargs["gpu_memory_utilization"] == 0.11
     assert e.kwargs["compilation_config"] == {"cudagraph_mode": "PIECEWISE"}
-    assert e.kwargs["enable_flashinfer_autotune"] is False and e.kwargs["gpu_memory_utilization"] == 0.11
-    assert e.env["VLLM_PP_LAYER_PARTITION"] == "20,44" and e.env["CUDA_VISIBLE_DEVICES"] == "0,1"
-    # without arm 3's split there are no split arms; a split equal to the plugin's is not rerun
-    assert [x.kind for x in hl.arm_specs("fp8", tmp_path, total_gib=TOTAL)].count("split") == 0
-    same = by_name(hl.arm_specs("fp8", tmp_path, total_gib=TOTAL, chosen=[20, 44]))
-    assert [n for n in same if n.startswith("split")] == ["split-18_46", "split-22_42"]
-    assert by_name(hl.arm_specs("w8a16", tmp_path, total_gib=TOTAL))["expert"].env["VLLM_PP_LAYER_PARTITION"] == "18,46"
+    assert e.kwargs["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 3,
+                                              "disable_eagle_block_drop": True}
+    assert "enable_flashinfer_autotune" not in e.kwargs  # the MTP launcher does not pass it
+    assert e.env["VLLM_PP_LAYER_PARTITION"] == "20,44" and e.env["CUDA_VISIBLE_DEVICES"] == "0"
+    assert e.env["NCCL_SOCKET_IFNAME"] == "lo" and e.env["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+    assert "VLLM_DUALGPU_VIRTUAL_GPUS" not in e.env
+    # without arm 2's split there are no split arms; a split equal to the plugin's is not rerun
+    assert [x.kind for x in hl.arm_specs("fp8-mtp", tmp_path, total_gib=TOTAL, virtual=spec)].count("split") == 0
+    same = by_name(hl.arm_specs("fp8-mtp", tmp_path, total_gib=TOTAL, chosen=[20, 44], virtual=spec))
+    assert [n for n in same if n.startswith("split")] == ["split-2", "split+2"]
+
+
+def test_the_dflash2_launchers_take_the_experts_flags(tmp_path):
+    drafter = tmp_path / "drafter"
+    splits = {"nvfp4-dflash2": "13,51", "w8a16-dflash2": "19,45", "fp8-dflash2": "21,43"}
+    for launcher, split in splits.items():
+        a = by_name(hl.arm_specs(launcher, tmp_path, total_gib=TOTAL, drafter=drafter, virtual=hl.VIRTUAL))
+        assert a["plugin"].kwargs["speculative_config"] == {"method": "dflash", "model": str(drafter),
+                                                            "num_speculative_tokens": 7}
+        e = a["expert"]
+        assert e.env["VLLM_PP_LAYER_PARTITION"] == split
+        assert (e.kwargs["block_size"], e.kwargs["num_gpu_blocks_override"]) == (1664, 375)
+        assert e.kwargs["prefix_cache_retention_interval"] == 1664
+        assert e.kwargs["enable_flashinfer_autotune"] is False
+        assert e.kwargs["speculative_config"] == {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 7,
+                                                  "disable_eagle_block_drop": True, "attention_backend": "TRITON_ATTN"}
+
+
+def test_two_gpus_keep_ballast_order_and_the_stock_arms(tmp_path):
+    a = by_name(hl.arm_specs("fp8-mtp", tmp_path, total_gib=TOTAL, chosen=CHOSEN))
+    assert list(a)[:5] == ["stock-default", "stock-u0.11", "stock-u0.10", "stock-u0.09", "expert"]
+    assert a["stock-default"].kwargs["distributed_executor_backend"] == "mp"
+    assert a["expert"].env["CUDA_VISIBLE_DEVICES"] == "0,1" and "worker_cls" not in a["expert"].kwargs
+    assert a["plugin"].env == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+
+
+def test_the_expert_worker_puts_each_rank_on_gpu_0_with_its_own_nccl_host(monkeypatch):
+    import types
+
+    import virtual_expert_worker as vw
+    from vllm.v1.worker.gpu_worker import Worker
+
+    seen = []
+    monkeypatch.setattr(Worker, "__init__", lambda self, cfg, lr, rank, dim, drv=False: seen.append((cfg, rank)))
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    hosts = []
+    for rank in (0, 1):
+        cfg = types.SimpleNamespace(parallel_config=types.SimpleNamespace(world_size=2, assigned_physical_gpu_ids=None))
+        monkeypatch.delenv("NCCL_HOSTID", raising=False)
+        vw.VirtualPairExpertWorker(cfg, rank, rank, "tcp://127.0.0.1:1")
+        assert cfg.parallel_config.assigned_physical_gpu_ids == [0, 0]
+        hosts.append(__import__("os").environ["NCCL_HOSTID"])
+        assert __import__("os").environ["NCCL_SOCKET_IFNAME"] == "lo"
+    assert len(set(hosts)) == 2 and [r for _, r in seen] == [0, 1]
 
 
 def test_the_model_is_the_bundled_reference_in_each_format(models):
@@ -84,11 +135,12 @@ def test_the_model_is_the_bundled_reference_in_each_format(models):
     from vllm_dualgpu.planner import reference_config
 
     ref = reference_config("qwen3.8-27b")
-    for q, d in models.items():
+    targets = {q: d for q, d in models.items() if q != "drafter"}
+    for q, d in targets.items():
         cfg = json.loads((d / "config.json").read_text())
         assert cfg["text_config"] == ref["text_config"] and cfg["vision_config"] == ref["vision_config"], q
         assert (d / "preprocessor_config.json").exists() and (d / "tokenizer.json").exists()
-    quant = {q: json.loads((d / "config.json").read_text())["quantization_config"] for q, d in models.items()}
+    quant = {q: json.loads((d / "config.json").read_text())["quantization_config"] for q, d in targets.items()}
     assert quant["fp8"] == ref["quantization_config"]
     assert quant["w8a16"]["ignore"] == ref["quantization_config"]["modules_to_not_convert"]
     assert quant["w8a16"]["config_groups"]["group_0"]["weights"]["num_bits"] == 8
@@ -96,16 +148,19 @@ def test_the_model_is_the_bundled_reference_in_each_format(models):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("quant", ["w8a16", "fp8", "nvfp4"])
-def test_every_arm_builds_in_vllm(engine_config, models, monkeypatch, quant):
-    """Each arm's VllmConfig as vLLM builds it: backend, split, weight format, MTP, vision, fp8 KV,
-    context, batch flags; the expert's flags land where vLLM reads them; the plugin's arms pass
-    the plugin's front-end checks with their split."""
+@pytest.mark.parametrize("launcher", hl.LAUNCHERS)
+def test_every_arm_builds_in_vllm(engine_config, models, monkeypatch, launcher):
+    """Each arm's VllmConfig as vLLM builds it: backend, split, weight format, drafter, vision,
+    fp8 KV, context, batch flags; the expert's flags land where vLLM reads them; the plugin's arms
+    pass the plugin's front-end checks with their split."""
     from vllm.config import CacheConfig
     from vllm.engine.arg_utils import EngineArgs
 
+    quant = hl.QUANT[launcher]
     expected_q = {"w8a16": "compressed-tensors", "fp8": "fp8", "nvfp4": "modelopt_fp4"}[quant]
-    for arm in hl.arm_specs(quant, models[quant], total_gib=TOTAL, chosen=CHOSEN):
+    dflash = launcher.endswith("dflash2")
+    for arm in hl.arm_specs(launcher, models[quant], total_gib=TOTAL, drafter=models["drafter"], chosen=CHOSEN,
+                            virtual=hl.VIRTUAL):
         with monkeypatch.context() as mp:
             for k, v in arm.env.items():
                 mp.setenv(k, v)
@@ -117,26 +172,28 @@ def test_every_arm_builds_in_vllm(engine_config, models, monkeypatch, quant):
             assert cfg.model_config.max_model_len == 262144 and cc.cache_dtype == "fp8", arm.name
             assert (sc.max_num_seqs, sc.max_num_batched_tokens) == (2, 1024), arm.name
             spec = cfg.speculative_config
-            assert spec.method == "mtp" and spec.num_speculative_tokens == 3, arm.name
-            # the vision tower is on: the target takes images (the MTP drafter's copy does not)
+            assert (spec.method, spec.num_speculative_tokens) == (("dflash", 7) if dflash else ("mtp", 3)), arm.name
+            # the vision tower is on: the target takes images
             assert cfg.model_config.multimodal_config is not None, arm.name
             assert not cfg.model_config.multimodal_config.language_model_only, arm.name
             assert cfg.model_config.is_multimodal_model, arm.name
             assert cc.enable_prefix_caching, arm.name
             if arm.kind == "expert":
-                assert (cc.block_size, cc.num_gpu_blocks_override) == (1664, 180)
+                blocks = 375 if dflash else 180
+                assert cc.num_gpu_blocks_override == blocks and (cc.block_size == 1664 or not dflash)
                 assert cc.kv_cache_memory_bytes == 9 * 10**9 and cc.gpu_memory_utilization == 0.11
+                assert pc.worker_cls == hl.EXPERT_WORKER
+                assert spec.disable_eagle_block_drop is True
                 # PIECEWISE reaches vLLM's config (the CPU platform then turns CUDA graphs off)
                 assert EngineArgs(**arm.kwargs).compilation_config.cudagraph_mode.name == "PIECEWISE"
-                assert cfg.kernel_config.enable_flashinfer_autotune is False
+                if dflash:
+                    assert cfg.kernel_config.enable_flashinfer_autotune is False
             else:
                 assert cc.num_gpu_blocks_override is None and cc.kv_cache_memory_bytes is None, arm.name
                 # CUDA graphs as vLLM defaults them (the CPU platform turns them off here, so the
                 # arguments are what is checked): no compilation flag, no eager mode
                 assert "compilation_config" not in arm.kwargs and "enforce_eager" not in arm.kwargs, arm.name
-            if arm.kind in ("plugin", "split"):
                 preflight.check(cfg, 2)  # a refusal raises PreflightError; warnings are allowed
-            if arm.kind in ("plugin", "split") or arm.name.endswith("stock-default"):
                 assert cc.gpu_memory_utilization == CacheConfig().gpu_memory_utilization, arm.name  # vLLM's default
 
 
@@ -150,7 +207,8 @@ def test_w8a16_quantizes_what_the_reference_checkpoint_does(engine_config, model
     from vllm.config import VllmConfig
     from vllm.model_executor.layers.linear import ColumnParallelLinear, QKVParallelLinear
 
-    cfg = engine_config(**hl.arm_specs("w8a16", models["w8a16"], total_gib=TOTAL)[-1].kwargs)
+    cfg = engine_config(**hl.arm_specs("w8a16-dflash2", models["w8a16"], total_gib=TOTAL, drafter=models["drafter"],
+                                       virtual=hl.VIRTUAL)[-1].kwargs)
     qc = VllmConfig._get_quantization_config(cfg.model_config, cfg.load_config)
     assert type(qc).__name__ == "CompressedTensorsConfig"
     cls = qwen3_5.Qwen3_5ForConditionalGeneration
@@ -230,13 +288,46 @@ def test_predicted_memory_is_placed_by_gpu_index_not_rank():
     assert hl.predicted_used_gib({}) == [None, None]
 
 
+def test_ranks_are_read_from_vllms_worker_prefixes():
+    lines = ["(Worker_PP0 pid=101) INFO 12-01 [gpu_worker.py:1] ...", "(Worker_PP1_TP0 pid=202) INFO x",
+             "(EngineCore pid=303) INFO y", "(Worker_PP1 pid=204) WARNING z"]
+    assert hl.rank_pids(lines) == {101: 0, 202: 1, 204: 1}
+
+
+def test_the_predicted_peak_is_each_ranks_whole_charge():
+    mib = 2**20
+    rank = lambda w, f, r, kv: {"weights_bytes": w * mib, "fixed_bytes": f * mib, "reserve_bytes": r * mib,  # noqa: E731
+                                "kv_cache_bytes": kv * mib}
+    assert hl.predicted_peak_mib({"ranks": [rank(6000, 4000, 1500, 2400), rank(17000, 4600, 1200, 7300)]}) == \
+        [13900, 30100]
+    assert hl.predicted_peak_mib({}) is None
+
+
+ARM = {"name": "fp8-mtp/plugin", "kind": "plugin", "launcher": "fp8-mtp", "booted": True, "kv_tokens": 336_000,
+       "largest_context": 262144, "partition": [16, 48], "peak_mib": [14800, 30900], "card_mib": [16384, 32768],
+       "predicted_peak_mib": [14500, 31000], "mid": {"ttft_s": 9.5, "decode_ms_per_step": 30.0},
+       "short": {"decode_ms_per_step": 29.0}, "greedy_token_ids": [1, 2]}
+
+
+def test_headline_json_is_the_issues_schema():
+    row = hl.headline_row(ARM)
+    assert {"launcher", "arm", "booted", "split", "max_model_len", "pool_tokens", "peak_mib", "card_mib",
+            "ms_per_step", "ttft_s", "predicted_peak_mib"} <= set(row)
+    assert (row["launcher"], row["arm"], row["booted"], row["split"]) == ("fp8-mtp", "plugin", True, [16, 48])
+    assert (row["max_model_len"], row["pool_tokens"]) == (262144, 336_000)
+    assert row["ms_per_step"] == {"short": 29.0, "32k": 30.0, "250k": None}
+    assert row["ttft_s"] == {"32k": 9.5, "250k": None}
+    assert (row["peak_mib"], row["card_mib"], row["predicted_peak_mib"]) == ([14800, 30900], [16384, 32768],
+                                                                          [14500, 31000])
+    refused = hl.headline_row({"name": "fp8-dflash2/expert", "kind": "expert", "launcher": "fp8-dflash2",
+                               "booted": False, "refusals": ["ValueError: ... maximum model length is 117504."]})
+    assert refused["booted"] is False and refused["arm"] == "expert" and "117504" in refused["refusal"]
+
+
 def test_the_table_has_a_row_per_arm():
-    r = {"name": "fp8/plugin", "booted": True, "boot_s": 100.0, "kv_tokens": 300_000, "largest_context": 262144,
-         "partition": [20, 44], "peak_used_gib": [14.5, 30.25], "predicted_used_gib": [14.0, 30.0],
-         "mid": {"ttft_s": 9.5, "decode_ms_per_step": 30.0}, "short": {"decode_ms_per_step": 29.0}}
-    refused = {"name": "fp8/stock-default", "booted": False, "kv_tokens": None, "largest_context": None,
-               "peak_used_gib": [0.0, 0.0]}
-    lines = hl.table([r, refused]).splitlines()
-    assert lines[2] == ("| fp8/plugin | 20/44 | yes | 100.0 | 300,000 | 262,144 | 9.5 / - | 29.0 / 30.0 / - | - | "
-                        "14.50 / 30.25 | 14.00 / 30.00 |")
-    assert lines[3].startswith("| fp8/stock-default | even | no | - | - |")
+    refused = {"name": "fp8-mtp/expert", "kind": "expert", "launcher": "fp8-mtp", "booted": False, "kv_tokens": None,
+               "largest_context": None, "partition": [20, 44]}
+    lines = hl.table([ARM, refused]).splitlines()
+    assert lines[2] == ("| fp8-mtp | plugin | 16/48 | yes | 336,000 | 262,144 | 9.5 / - | 29.0 / 30.0 / - | - | "
+                        "14,800 / 30,900 | 16,384 / 32,768 | 14,500 / 31,000 |")
+    assert lines[3].startswith("| fp8-mtp | expert | 20/44 | no | - | - |")

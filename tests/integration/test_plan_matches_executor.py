@@ -27,7 +27,7 @@ GPUS = "RTX 4070 Ti SUPER:16GiB,RTX 5090:32GiB"
 SAME = ("max_model_len", "kv_cache_dtype", "block_size", "max_num_seqs", "max_num_batched_tokens",
         "pp_size", "layer_partition", "num_gpu_blocks_override", "kv_cache_memory_bytes",
         "model_dtype", "enable_prefix_caching", "mamba_cache_dtype", "mamba_ssm_cache_dtype",
-        "enforce_eager", "vision_on_every_rank", "drafter_shares_embedding")
+        "enforce_eager", "vision_on_every_rank", "drafter_shares_embedding", "kv_grouping")
 
 DENSE = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 2560,
@@ -111,7 +111,10 @@ def dense_config(tmp_path):
 def test_runtime_assumptions_follow_the_registry():
     r = runtime_assumptions("0.30.0")
     assert r.drafter_shares_embedding and r.vision_tower_first_rank_only
-    assert r.request_fields() == {"drafter_shares_embedding": True, "vision_on_every_rank": False}
+    assert r.request_fields() == {"drafter_shares_embedding": True, "vision_on_every_rank": False,
+                                  "kv_grouping": "dualgpu"}
+    # vLLM 0.33's entries of the KV grouping patches carry a "-033" suffix: still in force
+    assert runtime_assumptions("0.33.0").kv_grouping == "dualgpu"
     # A registry without the drafter patch: the drafter keeps its own copy.
     from vllm_dualgpu.patching.registry import PATCHES
 

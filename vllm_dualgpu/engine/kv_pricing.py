@@ -1,12 +1,13 @@
 """The executor prices the plan's KV cache with vLLM's own functions, patched as the run will be.
 
-The pure planner (planner/kv.py) mirrors stock vLLM's KV arithmetic so that
-``vllm-dualgpu plan`` works without vLLM. Under the dualgpu executor the registry's KV patches
-change that arithmetic (kv-groups-without-padding, kv-groups-know-ranks,
+The pure planner (planner/kv.py) mirrors vLLM's KV arithmetic, and the grouping the registry's
+KV patches choose under the dualgpu executor (kv-groups-without-padding, kv-groups-know-ranks,
 kv-drafter-pages-promoted: a DFlash drafter next to a hybrid model is grouped without padding),
-so here, where vLLM is loaded, the layers the planner sized become vLLM's spec objects
-(``FullAttentionSpec`` with vLLM's dtype and quantization mode for the cache dtype,
-``MambaSpec`` with the model class's own state shapes and dtypes), vLLM's grouping forms the
+so that ``vllm-dualgpu plan`` works without vLLM. Here, where vLLM is loaded, the plan is
+checked with vLLM's own functions: the layers the planner sized become vLLM's spec objects
+(``FullAttentionSpec`` or, for a drafter's sliding-window layers, ``SlidingWindowSpec`` with
+vLLM's dtype and quantization mode for the cache dtype, ``MambaSpec`` with the model class's
+own state shapes and dtypes), vLLM's grouping forms the
 groups from every rank's layers and planned KV memory (as ``get_kv_cache_configs`` does at run
 time), and the planner searches again with that grouping (``KVLayout.regrouped``, the same
 interface as the mirror). The plan's pool is then checked against vLLM's per-rank bytes per
@@ -48,7 +49,7 @@ class VllmPool:
 def layer_specs(vllm_config, layout) -> dict:
     """vLLM's spec for every layer the planner sized (``layout.raw_slots``, before unification)."""
     from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, get_kv_quant_mode
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec, get_kv_quant_mode
 
     from vllm_dualgpu.planner.kv import dtype_bytes
 
@@ -67,8 +68,13 @@ def layer_specs(vllm_config, layout) -> dict:
         _, heads, head_dim, kvb, block, pad = s.spec_key
         if kvb != element or pad is not None:
             raise NotPriceable(f"{s.name}: a KV dtype ({kvb} bytes) other than the cache's ({element})")
-        spec = FullAttentionSpec(block_size=block, num_kv_heads=heads, head_size=head_dim,
-                                 dtype=torch_dtype, kv_quant_mode=quant_mode)
+        if s.sliding_window:  # a DFlash drafter's sliding-window layer
+            spec = SlidingWindowSpec(block_size=block, num_kv_heads=heads, head_size=head_dim,
+                                     dtype=torch_dtype, kv_quant_mode=quant_mode,
+                                     sliding_window=s.sliding_window)
+        else:
+            spec = FullAttentionSpec(block_size=block, num_kv_heads=heads, head_size=head_dim,
+                                     dtype=torch_dtype, kv_quant_mode=quant_mode)
         if spec.page_size_bytes != s.page_bytes:
             raise NotPriceable(f"{s.name}: vLLM's page is {spec.page_size_bytes:,} bytes, the "
                                f"planner's {s.page_bytes:,}")
@@ -123,7 +129,7 @@ def rank_specs(specs: dict, layout, partition) -> list[dict]:
 
 def priced_groups(vllm_config, groups) -> list:
     """vLLM's KV cache groups as the planner's plain :class:`PricedGroup` data."""
-    from vllm.v1.kv_cache_interface import MambaSpec, UniformTypeKVCacheSpecs
+    from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec, UniformTypeKVCacheSpecs
 
     from vllm_dualgpu.planner import PricedGroup
 
@@ -137,6 +143,9 @@ def priced_groups(vllm_config, groups) -> list:
         if isinstance(spec, MambaSpec):
             const = spec.max_memory_usage_bytes(vllm_config) // spec.page_size_bytes
             out.append(PricedGroup("mamba", names, pages, 0, const))
+        elif isinstance(spec, SlidingWindowSpec):  # keeps window - 1 + the tokens in flight
+            keep = spec.sliding_window - 1 + spec.extra_retained_tokens + vllm_config.max_in_flight_tokens
+            out.append(PricedGroup("attention", names, pages, spec.block_size, 0, keep))
         else:
             out.append(PricedGroup("attention", names, pages, spec.block_size, 0))
     return out

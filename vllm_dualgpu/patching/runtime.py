@@ -36,6 +36,7 @@ class RuntimeAssumptions:
         return {
             "drafter_shares_embedding": self.drafter_shares_embedding,
             "vision_on_every_rank": not self.vision_tower_first_rank_only,
+            "kv_grouping": self.kv_grouping,
         }
 
     def describe(self) -> str:
@@ -66,7 +67,9 @@ def runtime_assumptions(vllm_version: str | None = None, patches=None) -> Runtim
     if installed is not None and not is_supported(installed):
         installed = None  # the dualgpu backend refuses it: plan for what a fresh install gets
     version = vllm_version or installed or CHECKED_RELEASES[-1]
-    kv = all(in_force(n, version, patches) for n in ("kv-groups-know-ranks", "kv-groups-without-padding"))
+    # vLLM 0.33 moved KV planning to another module: the same patches carry a "-033" suffix there
+    kv = all(in_force(n, version, patches) or in_force(f"{n}-033", version, patches)
+             for n in ("kv-groups-know-ranks", "kv-groups-without-padding"))
     return RuntimeAssumptions(
         vllm_version=version,
         drafter_shares_embedding=in_force("drafter-shares-target-embed", version, patches),

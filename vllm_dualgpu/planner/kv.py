@@ -1,7 +1,9 @@
 """KV-cache arithmetic, mirroring vLLM 0.30 (``vllm/v1/core/kv_cache_utils.py``).
 
-This is the pure mirror ``vllm-dualgpu plan`` uses. The executor, where vLLM is loaded, regroups
-it with vLLM's own (patched) functions (:meth:`KVLayout.regrouped`, engine/kv_pricing.py).
+This is the pure mirror ``vllm-dualgpu plan`` uses, including the grouping the package's KV
+patches choose under the dualgpu executor (:meth:`KVLayout.per_rank_grouping`). The executor,
+where vLLM is loaded, prices it again with vLLM's own (patched) functions
+(:meth:`KVLayout.regrouped`, engine/kv_pricing.py) and must find the same groups.
 
 What vLLM does, and what this module reproduces without importing it:
 
@@ -22,7 +24,9 @@ What vLLM does, and what this module reproduces without importing it:
   holds ``available // bytes_per_block`` blocks, and every rank then uses the minimum.
 * A request of ``L`` tokens needs ``cdiv(L, block_size)`` blocks per attention group plus
   ``1 + num_speculative_tokens`` (``2 + ...`` with prefix caching, mamba "align" mode) per
-  mamba group; one block is the pool's null block.
+  mamba group, plus ``cdiv(min(window - 1 + in-flight tokens, L), block_size) + 1`` per
+  sliding-window group (a DFlash drafter's ``SlidingWindowSpec``); one block is the pool's null
+  block.
 
 This follows the default layer-major KV layout (``LBNHC``) that FlashAttention and FlashInfer
 resolve to on CUDA; block-outermost layouts pack mixed page sizes differently.
@@ -97,6 +101,10 @@ class KVSlot:
     spec_key: tuple
     real_bytes_per_token: int = 0  # attention: unpadded K+V bytes per token
     state_bytes: int = 0  # mamba: unpadded state bytes
+    window_tokens: int = 0
+    """Sliding-window attention: the tokens one request keeps (window - 1 + the tokens in flight,
+    ``SlidingWindowSpec.max_admission_blocks_per_request``); 0 for full attention."""
+    sliding_window: int = 0  # sliding-window attention: the window itself
 
 
 @dataclass(frozen=True)
@@ -109,6 +117,7 @@ class PricedGroup:
     page_bytes: dict[str, int]
     tokens_per_block: int = 0
     blocks_per_request_const: int = 0
+    window_tokens: int = 0  # sliding-window attention: see KVSlot.window_tokens
 
 
 @dataclass(frozen=True)
@@ -117,6 +126,16 @@ class KVGroup:
     members: tuple[int, ...]  # indices into KVLayout.slots
     tokens_per_block: int = 0  # attention groups
     blocks_per_request_const: int = 0  # mamba groups
+    window_tokens: int = 0  # sliding-window attention groups: see KVSlot.window_tokens
+
+    def blocks_per_request(self, max_len: int) -> int:
+        """Blocks one request of ``max_len`` tokens takes in this group (vLLM's specs'
+        ``max_memory_usage_bytes`` in pages)."""
+        if self.window_tokens and self.tokens_per_block:  # SlidingWindowSpec
+            return cdiv(min(self.window_tokens, max_len), self.tokens_per_block) + 1
+        if self.tokens_per_block:
+            return cdiv(max_len, self.tokens_per_block)
+        return self.blocks_per_request_const
 
 
 @dataclass
@@ -143,6 +162,8 @@ class KVLayout:
     notes: list[str] = field(default_factory=list)
     raw_slots: list[KVSlot] = field(default_factory=list)
     """Each layer's page before page sizes are unified: what vLLM's layers report."""
+    stock_groups: list[KVGroup] = field(default_factory=list)
+    """Stock vLLM's grouping of a hybrid layout (what :meth:`per_rank_grouping` starts from)."""
     # prefix sums per group over target layer index; drafter part per group
     _prefix: list[list[int]] = field(default_factory=list, repr=False)
     _drafter: list[int] = field(default_factory=list, repr=False)
@@ -173,18 +194,15 @@ class KVLayout:
 
     def blocks_per_request(self, max_len: int) -> int:
         """Blocks one request of ``max_len`` tokens takes (sum over groups, as vLLM counts)."""
-        n = self.blocks_per_request_const
-        for g in self.groups:
-            if g.tokens_per_block:
-                n += cdiv(max_len, g.tokens_per_block)
-        return n
+        return sum(g.blocks_per_request(max_len) for g in self.groups)
 
     def max_len_for_blocks(self, num_blocks: int) -> int:
         """Largest request length whose blocks fit in a pool of ``num_blocks`` (one is the null block)."""
         usable = num_blocks - 1
         if usable < self.blocks_per_request(1):
             return 0
-        lo, hi = 1, max(1, usable) * max(g.tokens_per_block for g in self.groups if g.tokens_per_block) + 1
+        lo, hi = 1, max(1, usable) * max((g.tokens_per_block for g in self.groups if g.tokens_per_block),
+                                           default=1) + 1
         while lo < hi:  # largest L with blocks_per_request(L) <= usable
             mid = (lo + hi + 1) // 2
             if self.blocks_per_request(mid) <= usable:
@@ -240,7 +258,11 @@ class KVLayout:
         mamba_ssm_cache_dtype: str = "auto",
         mamba_cache_mode: str = "align",
         kernel_block_alignment: int = DEFAULT_KERNEL_BLOCK_ALIGNMENT,
+        max_in_flight_tokens: int = 0,
     ) -> "KVLayout":
+        """``max_in_flight_tokens``: vLLM's ``VllmConfig.max_in_flight_tokens`` (concurrent
+        batches x ``max_num_batched_tokens``), what a sliding-window drafter layer keeps beyond
+        its window."""
         mdt = model_dtype if model_dtype and model_dtype != "auto" else model.dtype
         num_spec = num_speculative_tokens if num_speculative_tokens is not None else (
             drafter.num_speculative_tokens if drafter else 0
@@ -293,15 +315,23 @@ class KVLayout:
         if drafter is not None and drafter.kv_layers:
             dkvb = dtype_bytes(drafter.kv_cache_dtype or kv_cache_dtype, mdt)
             d_tok = drafter.kv_heads * 2 * drafter.head_dim * dkvb
-            d_key = ("attn", drafter.kv_heads, drafter.head_dim, dkvb, bs, None)
+            window = drafter.sliding_window
+            # a sliding-window layer has its own spec (SlidingWindowSpec): its own bucket
+            d_key = ("swa" if window else "attn", drafter.kv_heads, drafter.head_dim, dkvb, bs, None)
+            keep = window - 1 + max_in_flight_tokens if window else 0
             for j in range(drafter.kv_layers):
                 slots.append(
-                    KVSlot(f"drafter.layers.{j}.self_attn.attn", "attention", None, bs * d_tok, bs, d_key, d_tok)
+                    KVSlot(f"drafter.layers.{j}.self_attn.attn", "attention", None, bs * d_tok, bs, d_key, d_tok,
+                           window_tokens=keep, sliding_window=window)
                 )
 
         raw_slots = list(slots)
         keys = {s.spec_key for s in slots}
         kinds = {s.kind for s in slots}
+        if any(s.window_tokens for s in slots) and not model.is_hybrid:
+            raise UnsupportedModel(
+                f"{model.name}: a sliding-window drafter next to a model without Gated DeltaNet "
+                "layers is not sized by the planner yet")
         if len(keys) == 1:
             groups = [KVGroup("attention" if "attention" in kinds else "mamba", tuple(range(len(slots))), bs)]
             grouping = "uniform"
@@ -346,6 +376,7 @@ class KVLayout:
             grouping=grouping,
             notes=notes,
             raw_slots=raw_slots,
+            stock_groups=list(groups) if grouping == "hybrid" else [],
         )
         layout._index()
         return layout
@@ -367,10 +398,12 @@ class KVLayout:
             for n in g.layer_names:
                 s = slots[index[n]]
                 slots[index[n]] = _replace(s, page_bytes=g.page_bytes.get(n, s.page_bytes),
-                                           tokens_per_block=g.tokens_per_block if s.kind == "attention" else 0)
+                                           tokens_per_block=g.tokens_per_block if s.kind == "attention" else 0,
+                                           window_tokens=g.window_tokens if s.kind == "attention" else 0)
             new_groups.append(KVGroup(g.kind, tuple(index[n] for n in g.layer_names),
                                       g.tokens_per_block if g.kind == "attention" else 0,
-                                      g.blocks_per_request_const if g.kind == "mamba" else 0))
+                                      g.blocks_per_request_const if g.kind == "mamba" else 0,
+                                      g.window_tokens if g.kind == "attention" else 0))
         missing = [s.name for s in self.slots if s.name not in seen]
         if missing:
             raise ValueError(f"layers in no group: {missing[:3]} ({len(missing)} in all)")
@@ -379,11 +412,90 @@ class KVLayout:
         layout._index()
         return layout
 
+    def per_rank_grouping(self, partition, memory, max_model_len: int) -> KVLayout:
+        """The grouping the package's KV patches give this layout's layers under the dualgpu
+        executor with PP > 1 (patches/kv_cache_utils.choose_grouping, kv-groups-without-padding):
+        among vLLM's own grouping (this layout's) and groupings that cut each spec bucket into the
+        fewest groups holding at most ``cap`` layers on any one rank (``b[i::n]``, layers rank by
+        rank), none with more groups than vLLM's, the one whose ``max_model_len`` request needs
+        the smallest share of the tightest rank's KV ``memory`` (bytes per block of the rank x
+        blocks per request, as vLLM's ``_max_memory_usage_bytes_from_groups`` measures it); on a
+        tie vLLM's grouping, then fewer groups. ``partition``: target layers per rank (the
+        drafter's on the last rank); ``memory``: each rank's KV bytes. Returns this layout when
+        vLLM's grouping wins or it has one group."""
+        if len(self.stock_groups) < 2:
+            return self
+        stock = self if self.grouping == "hybrid" else replace(
+            self, groups=list(self.stock_groups), grouping="hybrid", notes=list(self.notes),
+            raw_slots=list(self.raw_slots))
+        if stock is not self:
+            stock._index()
+        bounds, start = [], 0
+        for n in partition:
+            bounds.append((start, start + n))
+            start += n
+        last = len(bounds) - 1
+
+        def rank_of(s: KVSlot) -> int:
+            if s.layer_index is None:
+                return last
+            return next(r for r, (a, b) in enumerate(bounds) if a <= s.layer_index < b)
+
+        buckets: dict[tuple, list[int]] = {}
+        for i, s in enumerate(self.slots):
+            buckets.setdefault(s.spec_key, []).append(i)
+        # vLLM's merged spec lists the layers rank by rank (each rank's in model order)
+        for key in buckets:
+            buckets[key].sort(key=lambda i: (rank_of(self.slots[i]), i))
+        per_rank = {key: [sum(1 for i in b if rank_of(self.slots[i]) == r) for r in range(len(bounds))]
+                    for key, b in buckets.items()}
+
+        def cost(layout: KVLayout) -> float:
+            per_req = layout.blocks_per_request(max_model_len)
+            worst = 0.0
+            for r, (a, b) in enumerate(bounds):
+                bpb = layout.bytes_per_block(a, b, r == last)
+                if bpb:
+                    worst = max(worst, bpb * per_req / max(memory[r], 1))
+            return worst
+
+        mamba_blocks = (2 if self.mamba_cache_mode == "align" else 1) + self.num_speculative_tokens
+        candidates = [(round(cost(stock), 12), 0, len(stock.groups), stock)]
+        most = max(max(c) for c in per_rank.values())
+        for cap in range(1, most + 1):
+            groups: list[KVGroup] = []
+            for key, members in buckets.items():
+                n = min(max(1, max(cdiv(c, cap) for c in per_rank[key])), len(members))
+                for i in range(n):
+                    part = tuple(members[i::n])
+                    s0 = self.slots[part[0]]
+                    if s0.kind == "mamba":
+                        groups.append(KVGroup("mamba", part, 0, mamba_blocks))
+                    else:
+                        groups.append(KVGroup("attention", part, s0.tokens_per_block, 0, s0.window_tokens))
+            if len(groups) > len(stock.groups):
+                continue
+            layout = replace(self, groups=groups, grouping="dualgpu", notes=list(self.notes),
+                             raw_slots=list(self.raw_slots))
+            layout._index()
+            candidates.append((round(cost(layout), 12), 1, len(groups), layout))
+        best = min(candidates, key=lambda c: c[:3])[3]
+        if best is not stock:
+            sizes = "/".join(sorted({str(len(g.members)) for g in best.groups}, key=int))
+            best.notes = [n for n in best.notes  # stock vLLM's grouping, which this one replaces
+                          if "drafter's attention layers have their own KV spec" not in n
+                          and not n.startswith("vLLM groups the ")]
+            best.notes.append(
+                f"with PP > 1 the dualgpu executor groups the {len(best.slots)} KV layers into "
+                f"{len(best.groups)} groups of {sizes} layers instead of vLLM's {len(stock.groups)} "
+                "(its KV patches: fewer layers of one group on the tightest rank)")
+        return best
+
     def same_grouping(self, other: KVLayout) -> bool:
         """Whether ``other`` groups the same layers together with the same pages and blocks."""
         def key(lay: KVLayout):
             return sorted(
-                (g.kind, g.tokens_per_block, g.blocks_per_request_const,
+                (g.kind, g.tokens_per_block, g.blocks_per_request_const, g.window_tokens,
                  tuple(sorted((lay.slots[m].name, lay.slots[m].page_bytes) for m in g.members)))
                 for g in lay.groups
             )
@@ -452,5 +564,5 @@ def _hybrid_groups(slots: list[KVSlot], mamba_cache_mode: str, num_spec: int) ->
             if s0.kind == "mamba":
                 groups.append(KVGroup("mamba", part, 0, mamba_blocks))
             else:
-                groups.append(KVGroup("attention", part, s0.tokens_per_block, 0))
+                groups.append(KVGroup("attention", part, s0.tokens_per_block, 0, s0.window_tokens))
     return groups

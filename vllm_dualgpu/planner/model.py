@@ -380,12 +380,16 @@ class DrafterSpec:
     decode_read_bytes: int = 0
     passes: int = 1
     name: str = ""
+    sliding_window: int = 0
+    """Sliding-window attention in every drafter layer (DFlash drafters whose ``layer_types``
+    say ``sliding_attention``, or ``dflash_config.use_swa``): its window; 0 = full attention."""
 
     def to_dict(self) -> dict:
         return {
             "method": self.method,
             "num_speculative_tokens": self.num_speculative_tokens,
             "kv_layers": self.kv_layers,
+            "sliding_window": self.sliding_window,
             "weight_bytes": self.weight_bytes,
             "embed_bytes": self.embed_bytes,
             "lm_head_bytes": self.lm_head_bytes,
@@ -433,6 +437,9 @@ class DrafterSpec:
                 "drafter directory as 'model' in --speculative-config"
             )
         text = dcfg.get("text_config") or dcfg
+        window = dflash_sliding_window(text) if "dflash" in method else 0
+        if window:  # sized below as the drafter's KV spec; the layers' weights are the same
+            dcfg = {k: v for k, v in dcfg.items() if k not in ("use_sliding_window", "sliding_window", "layer_types")}
         try:
             d = ModelSpec.from_hf_config(dcfg, weight_format=str(spec.get("draft_weight_format") or "auto"))
         except UnsupportedModel as e:
@@ -475,8 +482,38 @@ class DrafterSpec:
             lm_head_bytes=own_head,
             decode_read_bytes=read,
             passes=passes,
-            name=f"{method} drafter ({d.num_layers} layers, {d.weight_format})",
+            name=f"{method} drafter ({d.num_layers} layers, {d.weight_format}"
+                 + (f", sliding window {window:,}" if window else "") + ")",
+            sliding_window=window,
         )
+
+
+def dflash_sliding_window(text: dict) -> int:
+    """The sliding window of a DFlash drafter's layers as vLLM resolves it
+    (``qwen3_dflash._resolve_layer_attention``): ``layer_types`` naming ``sliding_attention``
+    (or ``dflash_config.use_swa`` without ``layer_types``/with none sliding) make a layer
+    sliding, with ``dflash_config.swa_window_size`` or the config's ``sliding_window``; 0 when
+    every layer attends the whole context."""
+    dfl = text.get("dflash_config") or {}
+    types = text.get("layer_types")
+    use_swa = bool(dfl.get("use_swa", False))
+    n = int(text.get("num_hidden_layers") or 0)
+    if types is not None:
+        sliding = [t == "sliding_attention" for t in types[:n] or types]
+        if use_swa and not any(sliding):
+            sliding = [True] * len(sliding)
+    else:
+        sliding = [use_swa] * max(n, 1)
+    if not any(sliding):
+        return 0
+    if not all(sliding):
+        raise UnsupportedModel("drafter: DFlash drafters with both sliding-window and full-attention "
+                               "layers are not sized by the planner yet")
+    window = dfl.get("swa_window_size", text.get("sliding_window"))
+    if not window:
+        raise BadRequest("drafter: DFlash sliding attention needs a window size "
+                         "(dflash_config.swa_window_size or sliding_window in its config.json)")
+    return int(window)
 
 
 __all__ = ["DrafterSpec", "FULL", "GdnDims", "LINEAR", "LayerSpec", "ModelSpec"]

@@ -66,6 +66,9 @@ class PlanRequest:
     language_model_only: bool = False
     vision_on_every_rank: bool = False
     drafter_shares_embedding: bool = False
+    kv_grouping: str = "stock"
+    """"dualgpu": the KV cache is grouped as the package's KV patches group it under the dualgpu
+    executor with PP > 1 (:meth:`KVLayout.per_rank_grouping`); "stock": as stock vLLM groups it."""
     decode_context_tokens: int | None = None
     kernel_block_alignment: int = DEFAULT_KERNEL_BLOCK_ALIGNMENT
     allow_long_max_model_len: bool = False
@@ -318,6 +321,10 @@ class _Context:
         self.drafter = DrafterSpec.from_speculative(request.speculative, model)
         num_spec = self.drafter.num_speculative_tokens if self.drafter else 0
         mode = request.mamba_cache_mode or ("align" if request.enable_prefix_caching else "none")
+        dev0 = gpus_by_index[min(gpus_by_index)]
+        d_tok, d_seq = default_batch_limits(dev0.total_bytes, dev0.name)
+        self.max_num_batched_tokens = request.max_num_batched_tokens or d_tok
+        self.max_num_seqs = request.max_num_seqs or d_seq
         self.kv = kv_layout or KVLayout.build(
             model,
             kv_cache_dtype=request.kv_cache_dtype,
@@ -329,11 +336,10 @@ class _Context:
             mamba_ssm_cache_dtype=request.mamba_ssm_cache_dtype,
             mamba_cache_mode=mode,
             kernel_block_alignment=request.kernel_block_alignment,
+            # VllmConfig.max_in_flight_tokens: one batch per stage in flight (max_concurrent_batches
+            # is the PP size under the dualgpu executor, patch pp-inflight-batches)
+            max_in_flight_tokens=pp * self.max_num_batched_tokens,
         )
-        dev0 = gpus_by_index[min(gpus_by_index)]
-        d_tok, d_seq = default_batch_limits(dev0.total_bytes, dev0.name)
-        self.max_num_batched_tokens = request.max_num_batched_tokens or d_tok
-        self.max_num_seqs = request.max_num_seqs or d_seq
         self.vision = model.has_vision and not request.language_model_only
 
         # Prefix sums over the decoder layers: layers [start, end) cost x[end] - x[start].
@@ -384,8 +390,11 @@ class _Context:
         per_layer_tok = [0] * L
         per_layer_state = [0] * L
         d_tok_bytes = 0
+        self.drafter_window_read: list[tuple[int, int]] = []  # (window, bytes per token) of sliding layers
         for s in self.kv.slots:
-            if s.layer_index is None:
+            if s.layer_index is None and s.sliding_window:  # reads its window, not the context
+                self.drafter_window_read.append((s.sliding_window, s.real_bytes_per_token))
+            elif s.layer_index is None:
                 d_tok_bytes += s.real_bytes_per_token
             else:
                 per_layer_tok[s.layer_index] += s.real_bytes_per_token
@@ -411,6 +420,7 @@ class _Context:
                 + 2 * (self.state_prefix[end] - self.state_prefix[start]))
         if last:
             read += self.last_extra_read() + decode_tokens * self.drafter_kv_tok
+            read += sum(min(w, decode_tokens) * b for w, b in self.drafter_window_read)
         return RankCost(
             weights_bytes=self.weight_prefix[end] - self.weight_prefix[start],
             fixed_bytes=self.fixed_sum[role],
@@ -607,7 +617,36 @@ def _fit_or_raise(f: Fit) -> Plan:
     return f.plan
 
 
+#: Rounds of "group for this split, search again" (the grouping depends on the split it is
+#: formed for); the executor's pricing with vLLM's functions takes as many (engine/kv_pricing.py).
+GROUPING_ROUNDS = 3
+
+
 def fit(
+    model: ModelSpec, gpus: list[GpuFacts], request: PlanRequest | None = None, *,
+    kv_layout: KVLayout | None = None, _check_stock: bool = False
+) -> Fit:
+    """See :func:`_fit_once`. With ``request.kv_grouping == "dualgpu"`` (and no ``kv_layout``),
+    the KV cache is grouped as the package's KV patches group it for the chosen split and each
+    rank's KV budget, and the split searched again with that grouping until it keeps it, as
+    the executor does with vLLM's own functions (engine/kv_pricing.reprice)."""
+    f = _fit_once(model, gpus, request, kv_layout=kv_layout, _check_stock=_check_stock)
+    request = request or PlanRequest()
+    if kv_layout is not None or request.kv_grouping != "dualgpu" or f.plan.passthrough:
+        return f
+    length = f.requested_max_model_len or model.max_position_embeddings
+    tried: list[tuple[int, ...]] = []
+    for round_ in range(GROUPING_ROUNDS):
+        p = f.plan
+        layout = p.kv.per_rank_grouping(p.partition, [r.kv_budget_bytes for r in p.ranks], length)
+        if layout.same_grouping(p.kv) or round_ == GROUPING_ROUNDS - 1 or tuple(p.partition) in tried:
+            break
+        tried.append(tuple(p.partition))
+        f = _fit_once(model, gpus, request, kv_layout=layout, _check_stock=_check_stock)
+    return f
+
+
+def _fit_once(
     model: ModelSpec, gpus: list[GpuFacts], request: PlanRequest | None = None, *,
     kv_layout: KVLayout | None = None, _check_stock: bool = False
 ) -> Fit:

@@ -2,10 +2,10 @@
 
 Real VllmConfigs on the CPU platform, the registry's engine-side patches applied as the
 executor applies them. Where stock vLLM and the package's KV patches group alike (dense, a
-hybrid with MTP), vLLM's pricing must give the pure mirror's plan exactly. Where they differ (a
-drafter with its own attention spec next to a hybrid model), the executor's plan must be what
-vLLM's run-time ``get_kv_cache_configs`` gives for the same per-rank memory, and `plan` (the
-mirror) a smaller pool.
+hybrid with MTP), vLLM's pricing must give the pure mirror's plan exactly. Where the patches
+group otherwise (a drafter with its own attention spec next to a hybrid model), the mirror prices
+the patches' grouping (KVLayout.per_rank_grouping), and the executor's plan must still be the
+mirror's and what vLLM's run-time ``get_kv_cache_configs`` gives for the same per-rank memory.
 """
 
 from __future__ import annotations
@@ -101,28 +101,35 @@ def own_spec_drafter_config(qwen3_5_hybrid_config, tmp_path_factory):
 
 
 def test_drafter_with_its_own_spec_is_priced_as_vllm_runs_it(own_spec_drafter_config, caplog):
+    import dataclasses
+
+    from vllm_dualgpu.planner import plan as pure_plan
+
     vc = own_spec_drafter_config
     caplog.set_level(logging.INFO, logger="vllm.dualgpu")
     logging.getLogger("vllm.dualgpu").propagate = True
     mirror, plan, pool = priced(vc)
-    # Stock grouping (the mirror) cuts every bucket to the size of the drafter's, one layer:
-    # 6 Gated DeltaNet + 2 attention + 1 drafter layer make 9 groups of one.
-    assert len(mirror.kv.groups) == 9
-    assert plan.kv.grouping == "vllm" and len(plan.kv.groups) < len(mirror.kv.groups)
+    # Stock grouping cuts every bucket to the size of the drafter's, one layer: 6 Gated
+    # DeltaNet + 2 attention + 1 drafter layer make 9 groups of one. With 544-token blocks (the
+    # hybrid alignment) a 4096-token request takes 8 blocks per attention group and 2 + 2
+    # speculative per Gated DeltaNet group ("align" mode), so 3 x 8 + 6 x 4 = 48 there.
+    model = ModelSpec.from_hf_config(vc.model_config.hf_config.to_dict())
+    request = planning.plan_request(vc, None)
+    stock = pure_plan(model, parse_gpus(GPUS), dataclasses.replace(request, kv_grouping="stock"))
+    assert len(stock.kv.groups) == 9
+    assert stock.block_size == 544
+    assert stock.kv.blocks_per_request(4096) == 3 * 8 + 6 * 4
+    # The mirror prices the package's grouping (fewer groups), and it is vLLM's: the plan stands
+    assert mirror.kv.grouping == "dualgpu" and len(mirror.kv.groups) < 9
+    assert plan is mirror
+    assert not any("priced with vLLM's grouping" in r.getMessage() for r in caplog.records)
     # The executor's pool is what vLLM's run-time planning gives the same split and memory.
     blocks, bpb = runtime_blocks(vc, plan)
     assert (plan.num_blocks, [r.kv_bytes_per_block for r in plan.ranks]) == (blocks, bpb)
     assert pool.num_blocks == blocks
-    # ... and more than the mirror predicted (it priced the padded stock grouping).
-    # ... and a request takes fewer blocks than the mirror predicted (it priced the padded
-    # stock grouping): with 544-token blocks (the hybrid alignment) a 4096-token request takes
-    # 8 blocks per attention group and 2 + 2 speculative per Gated DeltaNet group ("align"
-    # mode), so 3 x 8 + 6 x 4 = 48 there.
-    assert mirror.block_size == 544
-    assert mirror.kv.blocks_per_request(4096) == 3 * 8 + 6 * 4
+    # ... and a request takes fewer blocks than under the padded stock grouping.
     assert plan.kv.blocks_per_request(4096) < 48
-    assert plan.max_concurrency > mirror.max_concurrency
-    assert any("priced with vLLM's grouping" in r.getMessage() for r in caplog.records)
+    assert plan.max_concurrency > stock.max_concurrency
 
 
 def test_layers_vllm_would_size_otherwise_keep_the_mirror(own_spec_drafter_config, caplog):
