@@ -118,14 +118,19 @@ def wrap_memory_info(original):
     return _same(original, memory)
 
 
+def _platform_answer(original, field: str):
+    """A ``(cls, device_id=0)`` query of vLLM's CUDA platforms answering the card's ``field``."""
+
+    def answer(cls, device_id: int = 0):
+        c = card()
+        return original(cls, device_id) if c is None else getattr(c, field)
+
+    return _same(original, answer)
+
+
 def wrap_device_name(original):
     """``get_device_name`` of vLLM's CUDA platforms (``cls, device_id``): the card's name."""
-
-    def get_device_name(cls, device_id: int = 0) -> str:
-        c = card()
-        return original(cls, device_id) if c is None else c.name
-
-    return _same(original, get_device_name)
+    return _platform_answer(original, "name")
 
 
 def wrap_torch_device_name(original):
@@ -155,12 +160,7 @@ def wrap_device_capability(original):
 
 def wrap_device_total_memory(original):
     """``get_device_total_memory`` of vLLM's CUDA platforms: the card's total."""
-
-    def get_device_total_memory(cls, device_id: int = 0) -> int:
-        c = card()
-        return original(cls, device_id) if c is None else c.total_bytes
-
-    return _same(original, get_device_total_memory)
+    return _platform_answer(original, "total_bytes")
 
 
 def log_card(rank: int) -> None:
