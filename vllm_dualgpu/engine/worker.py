@@ -95,7 +95,7 @@ def refuse_external_weights(load_config, vllm_config) -> None:
 def _activate_virtual_card(vllm_config, rank: int):
     """This rank's virtual card from the hand-off (VLLM_DUALGPU_VIRTUAL_GPUS), made active in
     this process before vLLM sets up the device; None on a real card."""
-    plan = handoff.load(vllm_config)
+    plan = handoff.load(vllm_config) if hasattr(vllm_config, "additional_config") else None
     record = plan.rank(rank) if plan else None
     card = record.virtual_card if record else None
     if card is not None:
@@ -117,7 +117,9 @@ class DualGpuWorker(Worker):
         # cannot tell which executor drives a worker; forked workers skip it).
         plugin.ensure_for_dualgpu(frozenset({WORKER}))
         super().__init__(*args, **kwargs)
-        self._virtual_card = _activate_virtual_card(self.vllm_config, self.rank)
+        config = kwargs.get("vllm_config", args[0] if args else None)
+        self._virtual_card = _activate_virtual_card(getattr(self, "vllm_config", config),
+                                                    getattr(self, "rank", kwargs.get("rank", 0)))
 
     def init_device(self):
         refuse_external_weights(self.load_config, self.vllm_config)

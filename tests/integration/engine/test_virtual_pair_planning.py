@@ -92,3 +92,22 @@ def test_preflight_counts_the_virtual_cards(monkeypatch):
     assert preflight.nvml_gpu_count() == 1
     monkeypatch.setenv("VLLM_DUALGPU_VIRTUAL_GPUS", SPEC)
     assert preflight.nvml_gpu_count() == 2
+
+
+def test_each_worker_activates_its_own_card(make_config, one_h200, monkeypatch):
+    from vllm_dualgpu.engine import virtual_card
+    from vllm_dualgpu.engine import worker
+
+    cfg = make_config()
+    apply.apply_plan(cfg)
+    seen = []
+    monkeypatch.setattr(virtual_card, "activate", lambda card, rank: seen.append((card.name, rank)))
+    for rank in (0, 1):
+        worker._activate_virtual_card(cfg, rank)
+    assert seen == [("NVIDIA GeForce RTX 4070 Ti SUPER", 0), ("NVIDIA H200", 1)]
+    monkeypatch.delenv("VLLM_DUALGPU_VIRTUAL_GPUS")
+    plain = make_config()
+    monkeypatch.setattr(apply, "read_visible_gpus", lambda: [one_h200, one_h200.__class__(
+        1, "NVIDIA H200", H200_TOTAL, 139 * GiB, (9, 0), 4800.0, "GPU-b")])
+    apply.apply_plan(plain)
+    assert worker._activate_virtual_card(plain, 0) is None and len(seen) == 2
