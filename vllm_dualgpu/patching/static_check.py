@@ -95,11 +95,13 @@ def check_entry(tree: Path, patch: Patch, index: TreeIndex | None = None,
 
 
 def _find_member(index: TreeIndex, tree: Path, module: str, qualname: str, depth: int = 0):
-    """The AST node defining ``qualname`` in ``module`` (a class's bases searched too), or None."""
+    """(the AST node defining ``qualname`` in ``module``, the module's source), a class's bases
+    searched too; None when not found."""
     path = module_path(tree, module)
     if path is None or depth > 20:
         return None
-    scope = ast.parse(path.read_text(encoding="utf-8")).body
+    source = path.read_text(encoding="utf-8")
+    scope = ast.parse(source).body
     *owners, name = qualname.split(".")
     cls = None
     for part in owners:
@@ -109,11 +111,11 @@ def _find_member(index: TreeIndex, tree: Path, module: str, qualname: str, depth
         scope = cls.body
     for node in scope:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
-            return node
+            return node, source
         targets = node.targets if isinstance(node, ast.Assign) else \
             [node.target] if isinstance(node, ast.AnnAssign) else []
         if any(isinstance(t, ast.Name) and t.id == name for t in targets):
-            return node
+            return node, source
     if cls is not None and len(owners) == 1 and module in index.modules:
         for base in cls.bases:
             resolved = index.resolve_base(module, base)
@@ -132,9 +134,10 @@ def check_intervention(tree: Path, item, index: TreeIndex, allowed: dict | None 
     module, qualname = target.split(":", 1)
     if module_path(tree, module) is None:
         return f"module {module} not in {tree}"
-    node = _find_member(index, tree, module, qualname)
-    if node is None:
+    found_member = _find_member(index, tree, module, qualname)
+    if found_member is None:
         return f"{target} not found in {tree}"
+    node, source = found_member
     is_function = isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
     if item.params is not None:
         if not is_function:
@@ -143,7 +146,8 @@ def check_intervention(tree: Path, item, index: TreeIndex, allowed: dict | None 
         if found != tuple(item.params):
             return f"{target} takes ({', '.join(found)}), expected ({', '.join(item.params)})"
     if item.source_names:
-        absent = [n for n in item.source_names if n not in ast.unparse(node)]
+        text = ast.get_source_segment(source, node) or ""
+        absent = [n for n in item.source_names if n not in text]
         if absent:
             return f"{target} no longer uses {', '.join(absent)}"
     return _unreached(index, item, item.target if ":" in item.target else target, _allowed(allowed))

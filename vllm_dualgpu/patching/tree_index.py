@@ -32,6 +32,9 @@ class ModuleInfo:
     """local name -> module (``import a.b as c``: c -> a.b; ``import a.b``: a -> a)."""
     classes: dict[str, tuple[list[ast.expr], set[str]]] = field(default_factory=dict)
     """top-level class -> (base expressions, names defined in its body)."""
+    calls_base: dict[str, set[str]] = field(default_factory=dict)
+    """class -> its methods that run the inherited method of their name (``super().m(...)`` or
+    ``Base.m(self, ...)``): an override that still reaches a patched base method."""
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -66,6 +69,23 @@ def _defined_names(body: list[ast.stmt]) -> set[str]:
     return names
 
 
+def _methods_calling_base(cls: ast.ClassDef) -> set[str]:
+    bases = {_dotted(b) for b in cls.bases} - {None}
+    found = set()
+    for node in cls.body:
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for call in ast.walk(node):
+            func = getattr(call, "func", None) if isinstance(call, ast.Call) else None
+            if not isinstance(func, ast.Attribute) or func.attr != node.name:
+                continue
+            owner = func.value
+            if (isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name)
+                    and owner.func.id == "super") or _dotted(owner) in bases:
+                found.add(node.name)
+    return found
+
+
 def _absolute(info: ModuleInfo, node: ast.ImportFrom) -> str:
     if not node.level:
         return node.module or ""
@@ -95,6 +115,7 @@ def read_module(name: str, is_package: bool, source: str) -> ModuleInfo:
                     info.module_aliases[head] = head
         elif isinstance(node, ast.ClassDef):
             info.classes[node.name] = (list(node.bases), _defined_names(node.body))
+            info.calls_base[node.name] = _methods_calling_base(node)
     return info
 
 
@@ -180,7 +201,8 @@ class TreeIndex:
         return self.resolve_name(owner, attr)
 
     def overrides_of(self, cls: str, method: str) -> list[str]:
-        """``module:Class`` of every class deriving from ``cls`` that defines ``method``."""
+        """``module:Class`` of every class deriving from ``cls`` that defines ``method`` without
+        running the inherited one (an override calling ``super().method`` reaches the base)."""
         children: dict[str, list[str]] = {}
         for info in self.modules.values():
             for name, (bases, _) in info.classes.items():
@@ -195,7 +217,8 @@ class TreeIndex:
                 continue
             seen.add(sub)
             module, name = sub.split(":", 1)
-            if method in self.modules[module].classes[name][1]:
+            info = self.modules[module]
+            if method in info.classes[name][1] and method not in info.calls_base[name]:
                 found.append(sub)
             queue.extend(children.get(sub, ()))
         return sorted(found)

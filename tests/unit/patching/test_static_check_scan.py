@@ -23,6 +23,9 @@ FILES = {
         def f(x):
             return x
 
+        def reads(obj):
+            return getattr(obj, "ray_backend")
+
         class Base:
             def m(self, n):
                 return n
@@ -73,6 +76,18 @@ FILES = {
             def m(cls, n):
                 return n
     """,
+    # overrides that run the base's method (super() or the base named): the patch is reached
+    "vllm/sub/t.py": """
+        from vllm.a import Base
+
+        class CallsSuper(Base):
+            def m(self, n):
+                return super().m(n) + 1
+
+        class NamesBase(Base):
+            def m(self, n):
+                return Base.m(self, n) + 1
+    """,
     "vllm/sub/r.py": """
         class Other:
             def m(self, n):
@@ -95,10 +110,10 @@ def patch(target: str, params: tuple[str, ...], copies: tuple[str, ...] = (), na
                  why="", upstream="", remove_when="", factory="x:y", params=params, copies=copies)
 
 
-def intervention(target: str, params=None, name: str = "i") -> Intervention:
+def intervention(target: str, params=None, name: str = "i", source_names=()) -> Intervention:
     return Intervention(name=name, kind=PRIVATE_API, target=target, processes=("engine",),
                         vllm_versions=">=0.30.0,<0.34", why="", upstream="", remove_when="",
-                        params=params)
+                        params=params, source_names=source_names)
 
 
 def reasons(tree: Path, entries, interventions=(), allowed=None) -> dict[str, str]:
@@ -138,7 +153,7 @@ def test_every_subclass_override_of_a_patched_method_is_named(tree):
     reason = reasons(tree, [patch("vllm.a:Base.m", ("self", "n"))])["p"]
     for override in ("vllm.sub.p:Leaf", "vllm.sub.q:Q", "vllm.sub.s:S"):
         assert override in reason, reason
-    for not_one in ("vllm.sub.p:Mid", "vllm.sub.r:Other"):
+    for not_one in ("vllm.sub.p:Mid", "vllm.sub.r:Other", "CallsSuper", "NamesBase"):
         assert not_one not in reason, reason
 
 
@@ -153,6 +168,8 @@ def test_interventions_are_checked_for_presence_parameters_and_overrides(tree):
         intervention("vllm.a:gone", name="missing"),
         intervention("vllm.a:f", ("y",), name="wrong-params"),
         intervention("vllm.a:Base.m", ("self", "n"), name="overridden"),
+        intervention("vllm.a:reads", source_names=('"ray_backend"',), name="names-as-written"),
+        intervention("vllm.a:reads", source_names=('"gone"',), name="name-gone"),
         intervention("CUDA_DEVICE_ORDER", name="environment"),
         intervention("torch.cuda:get_device_name", name="torch"),
     ]
@@ -161,6 +178,9 @@ def test_interventions_are_checked_for_presence_parameters_and_overrides(tree):
     assert "not found" in found["missing"]
     assert "(x)" in found["wrong-params"]
     assert "vllm.sub.p:Leaf" in found["overridden"]
+    # the source as written (quotes and all), as the live check reads it
+    assert found["names-as-written"] == ""
+    assert '"gone"' in found["name-gone"]
     # an environment variable or a target outside vLLM's tree is not in this check
     assert "environment" not in found and "torch" not in found
 
@@ -169,3 +189,14 @@ def test_the_command_fails_on_a_tree_where_a_registry_copy_is_missing(tree, caps
     # the registry's entries are not in the fake tree: every in-range entry fails, exit 1
     assert main(["--vllm-tree", str(tree), "--version", "0.33.0"]) == 1
     assert "FAIL" in capsys.readouterr().out
+
+
+def test_every_allowed_finding_names_a_declared_target_and_says_why():
+    from vllm_dualgpu.patching.interventions import INTERVENTIONS
+    from vllm_dualgpu.patching.registry import PATCHES
+    from vllm_dualgpu.patching.static_allowed import ALLOWED
+
+    declared = {e.target for e in (*PATCHES, *INTERVENTIONS)}
+    for (target, holder), why in ALLOWED.items():
+        assert target in declared, target
+        assert holder.startswith("vllm.") and why.strip(), (target, holder)
