@@ -122,7 +122,8 @@ PATCHES: tuple[Patch, ...] = (
             "same loop is the classmethod Platform.validate_environ(cls, hard_fail) "
             "(platforms/interface.py:1344 in 0.31, :1458 in 0.33), called as "
             "current_platform.validate_environ(...) from EngineArgs.create_engine_config; no "
-            "platform overrides it. Platform.additional_env_vars is not a way to declare them "
+            "platform overrides it (patching/static_check.py looks for overrides in every "
+            "release). Platform.additional_env_vars is not a way to declare them "
             "(only ROCm sets it)."
         ),
         upstream="none (vLLM has no way for plugins to declare environment variables)",
