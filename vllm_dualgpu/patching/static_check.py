@@ -53,13 +53,13 @@ def _unreached(index: TreeIndex, entry, target: str, allowed: dict) -> str:
     listed = set(getattr(entry, "copies", ()))
     problems = []
     if "." not in qualname and isinstance(entry, Patch):
-        held = {m: local for m, local in index.copies_of(module, qualname).items()
-                if (target, m) not in allowed}
-        stale = sorted(m for m, local in held.items() if local == qualname and m not in listed)
+        held = [(m, local) for m, local in index.copies_of(module, qualname)
+                if (target, m) not in allowed]
+        stale = [m for m, local in held if local == qualname and m not in listed]
         if stale:
             problems.append(f"copies of {qualname} that copies does not list: {', '.join(stale)}")
         # core rebinds the holder's attribute of the target's own name only
-        renamed = sorted(f"{m} as {local}" for m, local in held.items() if local != qualname)
+        renamed = [f"{m} as {local}" for m, local in held if local != qualname]
         if renamed:
             problems.append(f"copies of {qualname} under another name (core rebinds only "
                             f"{qualname}): {', '.join(renamed)}")

@@ -86,6 +86,26 @@ def _methods_calling_base(cls: ast.ClassDef) -> set[str]:
     return found
 
 
+def _assigned_from(info: ModuleInfo, value: ast.expr) -> tuple[str, str] | None:
+    """(module, name) a module-level ``x = <name or dotted name>`` binds, when it can be told."""
+    dotted = _dotted(value)
+    if dotted is None:
+        return None
+    if "." not in dotted:
+        return info.from_imports.get(dotted)
+    head, rest = dotted.split(".", 1)
+    if head in info.module_aliases:
+        alias = info.module_aliases[head]
+        full = dotted if alias == head else f"{alias}.{rest}"
+    elif head in info.from_imports:
+        origin, there = info.from_imports[head]
+        full = f"{origin}.{there}.{rest}"
+    else:
+        return None
+    owner, attr = full.rsplit(".", 1)
+    return owner, attr
+
+
 def _absolute(info: ModuleInfo, node: ast.ImportFrom) -> str:
     if not node.level:
         return node.module or ""
@@ -113,6 +133,11 @@ def read_module(name: str, is_package: bool, source: str) -> ModuleInfo:
                 else:
                     head = alias.name.split(".")[0]
                     info.module_aliases[head] = head
+        elif isinstance(node, ast.Assign) and len(node.targets) == 1 \
+                and isinstance(node.targets[0], ast.Name):
+            origin = _assigned_from(info, node.value)  # `g = f`, `_f = vllm.a.f`: copies too
+            if origin:
+                info.from_imports[node.targets[0].id] = origin
         elif isinstance(node, ast.ClassDef):
             info.classes[node.name] = (list(node.bases), _defined_names(node.body))
             info.calls_base[node.name] = _methods_calling_base(node)
@@ -144,11 +169,10 @@ class TreeIndex:
                 continue  # a template or a file for another Python: not imported as is
 
     # -- copies ---------------------------------------------------------------------------------
-    def copies_of(self, module: str, name: str) -> dict[str, str]:
-        """Module -> local name of every module-level copy of ``module.name`` (copies of copies
-        included), the target module itself excluded."""
+    def copies_of(self, module: str, name: str) -> list[tuple[str, str]]:
+        """(module, local name) of every module-level copy of ``module.name`` (copies of copies
+        and copies by assignment included), sorted; the target's own binding excluded."""
         holders = {(module, name)}
-        found: dict[str, str] = {}
         changed = True
         while changed:
             changed = False
@@ -156,17 +180,15 @@ class TreeIndex:
                 for local, origin in info.from_imports.items():
                     if origin in holders and (info.name, local) not in holders:
                         holders.add((info.name, local))
-                        found.setdefault(info.name, local)
                         changed = True
                 for origin in info.star_imports:
                     for held_module, held in list(holders):
                         if held_module == origin and not held.startswith("_") \
                                 and (info.name, held) not in holders:
                             holders.add((info.name, held))
-                            found.setdefault(info.name, held)
                             changed = True
-        found.pop(module, None)
-        return found
+        holders.discard((module, name))
+        return sorted(holders)
 
     # -- classes --------------------------------------------------------------------------------
     def resolve_name(self, module: str, name: str, depth: int = 0) -> str | None:
