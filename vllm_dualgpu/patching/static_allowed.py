@@ -17,9 +17,10 @@ _NOT_OUR_WORKER = (
 )
 _NOT_CUDA = "a dualgpu run is on NVIDIA GPUs, vLLM's CUDA platform: never this class"
 _DFLASH_OTHERS = (
-    "vLLM 0.30's Gemma4 DSpark and Laguna DFlash drafters build their context K/V themselves; the "
-    "entry covers the Qwen3 DFlash drafter family (DFlash2, Qwen3 DSpark inherit it). A quantized "
-    "drafter of those two models is left as stock vLLM has it (not fixed, not made worse)"
+    "vLLM 0.30's Gemma4 DSpark and Laguna DFlash drafters override the build with their own "
+    "code (the same raw .weight reads); the entry covers the Qwen3 DFlash family it was written "
+    "for (DFlash2, Qwen3 DSpark inherit it) and says these are not covered: a quantized drafter "
+    "of those two models fails as in stock vLLM, not made worse"
 )
 
 ALLOWED: dict[tuple[str, str], str] = {
