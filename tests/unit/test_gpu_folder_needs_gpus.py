@@ -1,5 +1,5 @@
 """tests/gpu holds only tests that need a GPU: with the ``gpu`` marker deselected, nothing there
-is left to run (the GPU harness modules' own CPU tests live in tests/unit/gpu_helpers)."""
+is left to run (the GPU harness modules' own CPU tests live in tests/unit/gpu_support)."""
 
 from __future__ import annotations
 
