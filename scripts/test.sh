@@ -9,8 +9,10 @@
 #     0.33.0's sdist (downloaded once into TEST_VENVS/upstream, 47 MB) and the drafts' CPU tests
 #     pass against the patched files (about 1.5 min with the sdist cached);
 #   - the middle releases (0.31.0, 0.32.0) get the registry's static checks against their
-#     released sources (every entry in range: target, parameters, pinned source), without
-#     installing or importing them, and the sm hook's coverage report of their library where
+#     released sources (every entry in range: target, parameters, pinned source; every
+#     `from x import f` copy of a patched function that the entry does not rebind and every
+#     subclass override of a patched method; the interventions' objects in vLLM's tree), without
+#     installing or importing them (the installed 0.30.0 and 0.33.0 get the same check), and the sm hook's coverage report of their library where
 #     this package has one.
 # Exits non-zero on any failure (pytest collecting no tests counts as one).
 #

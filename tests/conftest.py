@@ -13,7 +13,8 @@ import pytest
 FIXTURES = Path(__file__).parent / "fixtures"
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # tests/gpu holds the small model presets and the run settings of the GPU tests; CPU tests build
-# those runs' vLLM configs from them (import gpu_models, gpu_tokens).
+# those runs' vLLM configs from them (import gpu_models, gpu_tokens), and the harness modules'
+# own CPU tests (tests/unit/gpu_support) import them from there.
 sys.path.insert(1, str(Path(__file__).parent / "gpu"))
 
 # vLLM picks its CPU platform only when told; without it config creation cannot infer a device.

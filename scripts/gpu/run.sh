@@ -7,7 +7,8 @@
 # it in STAGING_ENV). Installs this checkout next to vLLM once per source tree (into DUALGPU_SITE,
 # default /tmp/dualgpu-site), and pytest and pytest-timeout from the wheels uploaded as .gputest
 # (scripts/gpu/test_wheels.sh) when the staged Python lacks them. Then, in order (default: tests):
-#   tests   pytest -m gpu tests/gpu: OUTDIR/gpu-junit.xml (each claim, figures as properties),
+#   tests   pytest -m gpu tests/gpu (every test there needs a GPU; the harness's CPU tests are in
+#           tests/unit/gpu_support): OUTDIR/gpu-junit.xml (each claim, figures as properties),
 #           OUTDIR/gpu-tests.log, every test's vLLM logs under OUTDIR/tests/ (DUALGPU_GPU_OUT)
 #   memory  benchmarks/memory_sweep.py OUTDIR/memory   (table, JSON, plot)
 #   soak    benchmarks/soak.py OUTDIR/soak             (longer than 10 min: start it with setsid nohup)

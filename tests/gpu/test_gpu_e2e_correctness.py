@@ -5,7 +5,7 @@ random weights: stock vLLM (PP=1, GPU 0), then the plugin (PP=2, ballast leaving
 GPU 0 and 16 GiB on GPU 1, or on one GPU the virtual pair of those cards), each generating the three passes of gpu_tokens. Claims: every pass of
 the plugin equals stock's (near ties only, in bf16); within each run the hit passes equal the
 no-hits pass; the hit passes did hit; the MTP runs drafted. E2E_DTYPE=float32 makes every
-comparison strict. The CPU part (the comparison itself) is test_gpu_tokens.py.
+comparison strict. The CPU part (the comparison itself) is tests/unit/gpu_support/test_gpu_tokens.py.
 """
 
 from __future__ import annotations

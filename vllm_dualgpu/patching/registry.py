@@ -122,7 +122,8 @@ PATCHES: tuple[Patch, ...] = (
             "same loop is the classmethod Platform.validate_environ(cls, hard_fail) "
             "(platforms/interface.py:1344 in 0.31, :1458 in 0.33), called as "
             "current_platform.validate_environ(...) from EngineArgs.create_engine_config; no "
-            "platform overrides it. Platform.additional_env_vars is not a way to declare them "
+            "platform overrides it (patching/static_check.py looks for overrides in every "
+            "release). Platform.additional_env_vars is not a way to declare them "
             "(only ROCm sets it)."
         ),
         upstream="none (vLLM has no way for plugins to declare environment variables)",
@@ -546,7 +547,10 @@ PATCHES: tuple[Patch, ...] = (
             "(packed W4A16 holds weight_packed, so loading raises AttributeError; FP8 holds a "
             "weight F.linear cannot use). Under dualgpu, when a projection is quantized, the "
             "build keeps references to the projections instead; unquantized drafters are "
-            "built as in vLLM. Inherited by DFlash2 and Qwen3 DSpark drafters."
+            "built as in vLLM. Inherited by DFlash2 and Qwen3 DSpark drafters; vLLM 0.30's "
+            "Gemma4 DSpark and Laguna DFlash drafters override the build (and the projection) "
+            "with their own raw-weight code, not covered: a quantized drafter of those fails "
+            "as in stock vLLM (static_check lists them; patching/static_allowed.py)."
         ),
         upstream="none known (the reference setup carries its own patch for this crash)",
         remove_when="the supported vLLM projects DFlash context K/V through the layers' quant "

@@ -90,27 +90,41 @@ def test_no_gpu_is_a_clear_error(monkeypatch, capsys):
 
 
 def test_run_writes_files_named_for_the_card_and_says_where(monkeypatch, tmp_path, capsys, model_dir):
-    """The GPU part replaced by a fake that writes what the tuner would."""
+    """The real tune(); only the GPU steps are fakes: torch's device queries (device 1 is the
+    RTX card, device 0 another), the kernel lookup, the precompile workers and the timing of one
+    shape. The file names come from the tuner's own reading of the selected card."""
+    import types
+
     import torch
 
-    seen = {}
+    seen = {"timed": []}
+    names = {0: "NVIDIA H200", 1: RTX}
+    props = types.SimpleNamespace(shared_memory_per_block_optin=101376, L2_cache_size=48 << 20,
+                                  multi_processor_count=66)
 
-    def fake_tune(shapes, block, batch_sizes, *, out_dir, jobs, time_cap_s, progress):
-        seen.update(shapes=shapes, block=block, batch_sizes=batch_sizes, jobs=jobs, progress=progress)
-        files = [str(ft.write_config_file(out_dir, N, K, fc.device_name_as_file_name(RTX), block,
-                                          {m: ft.candidate_configs(m, *block)[0] for m in batch_sizes}))
-                 for N, K in shapes]
-        return {"files": files, "shapes": []}
+    def fake_tune_shape(kernel, N, K, block, batch_sizes, smem_limit, **kw):
+        seen["timed"].append((N, K))
+        seen.update(block=block, batch_sizes=list(batch_sizes), kernel=kernel)
+        configs = {m: ft.candidate_configs(m, *block)[0] for m in batch_sizes}
+        return ft.ShapeResult(N, K, configs, {m: 1.0 for m in batch_sizes}, {}, {})
 
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: seen["device"])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: names[i])
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=None: props)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: (8, 9))
+    monkeypatch.setattr(ft, "find_kernel", lambda: "kernel")
+    monkeypatch.setattr(ft, "precompile",
+                        lambda plan, jobs, index, timeout, log: seen.update(jobs=jobs, index=index))
+    monkeypatch.setattr(ft, "tune_shape", fake_tune_shape)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_device", lambda i: seen.setdefault("device", i))
-    monkeypatch.setattr(ft, "tune", fake_tune)
     out = tmp_path / "mine"
     rc = main(["tune-fp8", str(model_dir), "--out", str(out), "--batch-sizes", "1,8,64", "--jobs", "3",
                "--device", "1", "--no-progress"])
     assert rc == 0
-    assert seen == {"shapes": SEED_SHAPES, "block": (128, 128), "batch_sizes": [1, 8, 64], "jobs": 3,
-                    "progress": False, "device": 1}
+    assert seen == {"timed": SEED_SHAPES, "block": (128, 128), "batch_sizes": [1, 8, 64], "jobs": 3,
+                    "index": 1, "kernel": "kernel", "device": 1}
     written = sorted(p.name for p in out.glob("N=*.json"))
     assert written == sorted(fc.config_file_name(N, K, "NVIDIA_GeForce_RTX_4070_Ti_SUPER") for N, K in SEED_SHAPES)
     for name in written:
