@@ -38,20 +38,28 @@ if [ ! -f "$TREE/.unpacked" ]; then
         cp "$UPSTREAM_SDIST" "$SDIST.part" && mv "$SDIST.part" "$SDIST" || exit 1
     elif [ ! -f "$SDIST" ]; then
         # pip cannot download an sdist without building its metadata (which for vLLM installs
-        # torch): the file and its sha256 come from PyPI's JSON API.
+        # torch): the file and its sha256 come from the package index's simple page (PEP 503,
+        # what pip reads; the JSON API is not served by every mirror).
         "$PY" - "$VERSION" "$SDIST" <<'PYEOF' || { echo "FAILED: download of the vLLM $VERSION sdist"; exit 1; }
-import hashlib, json, sys, urllib.request
+import hashlib, os, re, sys, urllib.parse, urllib.request
 version, dest = sys.argv[1], sys.argv[2]
-with urllib.request.urlopen(f"https://pypi.org/pypi/vllm/{version}/json", timeout=60) as r:
-    sdist = next(u for u in json.load(r)["urls"] if u["packagetype"] == "sdist")
-with urllib.request.urlopen(sdist["url"], timeout=600) as r:
+index = os.environ.get("UPSTREAM_INDEX", "https://pypi.org/simple/")
+page = urllib.parse.urljoin(index, "vllm/")
+with urllib.request.urlopen(page, timeout=60) as r:
+    html = r.read().decode()
+name = f"vllm-{version}.tar.gz"
+links = re.findall(r'href="([^"]*/' + re.escape(name) + r'#sha256=([0-9a-f]{64}))"', html)
+if not links:
+    sys.exit(f"{page} lists no {name}")
+url, sha = links[0]
+with urllib.request.urlopen(urllib.parse.urljoin(page, url.split("#")[0]), timeout=600) as r:
     data = r.read()
-if hashlib.sha256(data).hexdigest() != sdist["digests"]["sha256"]:
-    sys.exit(f"{sdist['filename']}: sha256 differs from PyPI's")
+if hashlib.sha256(data).hexdigest() != sha:
+    sys.exit(f"{name}: sha256 differs from the index's")
 with open(dest + ".part", "wb") as f:
     f.write(data)
-import os; os.replace(dest + ".part", dest)
-print(f"downloaded {sdist['filename']} ({len(data) >> 20} MiB)")
+os.replace(dest + ".part", dest)
+print(f"downloaded {name} ({len(data) >> 20} MiB)")
 PYEOF
     fi
     rm -rf "$TREE" "$TREE.part"
