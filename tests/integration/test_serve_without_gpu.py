@@ -9,6 +9,7 @@ Through the real ``vllm serve`` command line in a subprocess, with no device cho
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -35,7 +36,8 @@ def test_serve_without_a_gpu_says_so_first_and_names_doctor(tiny_model_dir):
     out = p.stdout
     assert p.returncode != 0, out[-3000:]
     lines = out.rstrip().splitlines()
-    ours = [i for i, line in enumerate(lines) if " ERROR " in line]
+    # vLLM 0.30 starts a line with its level; 0.33 prefixes the process, "(APIServer pid=N) ERROR"
+    ours = [i for i, line in enumerate(lines) if re.match(r"(\(\S+ pid=\d+\) )?ERROR ", line)]
     assert ours, out[-3000:]
     first = lines[ours[0]]
     assert "no NVIDIA GPU" in first and "vllm-dualgpu doctor" in first, first
