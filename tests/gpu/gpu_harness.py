@@ -126,9 +126,11 @@ def start_group(cmd: list[str], log: Path, env: dict | None = None) -> subproces
     return p
 
 
-def group_alive(pgid: int) -> bool:
-    """Whether a member of the group still runs. Zombies do not count: a leader not reaped yet,
-    or members reparented to an init that never reaps them."""
+def members(pgid: int) -> list[int]:
+    """Live processes of group ``pgid`` or of the session it leads (a process that moved to a
+    group of its own stays in the session: start_group and run_llm's child start one). Zombies
+    do not count: a leader not reaped yet, or members reparented to an init that never reaps."""
+    found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -136,9 +138,14 @@ def group_alive(pgid: int) -> bool:
             fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
+        if pgid in (int(fields[2]), int(fields[3])) and fields[0] != "Z":
+            found.append(int(entry))
+    return found
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether a member of the group (or of the session it leads) still runs."""
+    return bool(members(pgid))
 
 
 def stop_group(pgid: int, grace: float = 5.0, dump: bool = False) -> None:
@@ -153,6 +160,9 @@ def stop_group(pgid: int, grace: float = 5.0, dump: bool = False) -> None:
             break
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pgid, sig)
+        for pid in members(pgid):  # those that left the group but not the session
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
         end = time.time() + wait
         while time.time() < end and group_alive(pgid):
             with contextlib.suppress(ChildProcessError):
