@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from vllm_dualgpu.planner.errors import BadRequest
-from vllm_dualgpu.planner.gpus import lookup, parse_gpus
+from vllm_dualgpu.planner.gpus import parse_gpus
 
 ENV = "VLLM_DUALGPU_VIRTUAL_GPUS"
 GiB = 1024**3
@@ -100,13 +100,11 @@ def parse(spec: str, physical_id: int, physical_name: str, physical_total: int,
             f"{physical_id} ({physical_name}) has {physical_free / GiB:.1f} GiB free; name smaller "
             "cards or free the GPU")
     cards = []
-    for f in facts:
-        known = lookup(f.name)
-        cap = f.capability or (known.capability if known else None)
+    for f in facts:  # parse_gpus filled a known card's capability (cc= wins)
         cards.append(VirtualCard(
             name=nvml_name(f.name), total_bytes=f.total_bytes, free_bytes=f.free_bytes,
-            capability=tuple(cap) if cap else None,
-            reported_capability=runnable_capability(cap, physical_capability),
+            capability=tuple(f.capability) if f.capability else None,
+            reported_capability=runnable_capability(f.capability, physical_capability),
             physical_id=physical_id, physical_name=physical_name,
             physical_total_bytes=physical_total))
     return cards

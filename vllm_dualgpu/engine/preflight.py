@@ -13,6 +13,8 @@ import os
 from vllm_dualgpu import envs
 from vllm_dualgpu.engine import handoff, partition
 from vllm_dualgpu.log import logger
+from vllm_dualgpu.planner.gpus import parse_gpus
+from vllm_dualgpu.virtual_gpus import ENV as VIRTUAL_GPUS
 
 # Speculative methods that relay auxiliary hidden states between pipeline stages, and the
 # model types whose stages can relay them in vLLM 0.30 (eagle3_utils.py).
@@ -132,17 +134,19 @@ def capture_settings(vllm_config, nvml_gpu_count: int | None = None) -> None:
 def _virtual_gpus_text() -> str | None:
     """``VLLM_DUALGPU_VIRTUAL_GPUS`` (an emulation for tests, docs/virtual-gpus.md), its syntax
     checked here; the executor places the cards once NVML has given the physical GPU."""
-    from vllm_dualgpu.planner.gpus import parse_gpus
-    from vllm_dualgpu.virtual_gpus import ENV
+    text = os.environ.get(VIRTUAL_GPUS, "").strip()
+    if text:
+        _virtual_cards(text)
+    return text or None
 
-    text = os.environ.get(ENV, "").strip()
-    if not text:
-        return None
+
+def _virtual_cards(text: str) -> list:
+    """The cards of a ``VLLM_DUALGPU_VIRTUAL_GPUS`` value (``plan --gpus`` syntax), or a
+    ValueError naming the variable."""
     try:
-        parse_gpus(text)
+        return parse_gpus(text)
     except ValueError as exc:
-        raise ValueError(f"{ENV}: {exc}") from None
-    return text
+        raise ValueError(f"{VIRTUAL_GPUS}: {exc}") from None
 
 
 def check_platform(parallel_config) -> None:
@@ -229,9 +233,9 @@ def nvml_gpu_count() -> int | None:
             count = len(visible_physical_ids(pynvml.nvmlDeviceGetCount()))
         finally:
             pynvml.nvmlShutdown()
-        virtual = _virtual_gpus_text()
+        virtual = os.environ.get(VIRTUAL_GPUS, "").strip()
         # the virtual cards all sit on the first visible GPU (docs/virtual-gpus.md)
-        return len(virtual.split(",")) if virtual and count >= 1 else count
+        return len(_virtual_cards(virtual)) if virtual and count >= 1 else count
     except ValueError:
         raise
     except Exception:

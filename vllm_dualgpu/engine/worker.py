@@ -112,12 +112,12 @@ class DualGpuWorker(Worker):
     def __init__(self, *args, **kwargs):
         # This process is in a dualgpu run: its config carries the executor's plan. Model code,
         # which holds no config, asks process.is_dualgpu_run().
-        note_worker_config(kwargs.get("vllm_config", args[0] if args else None))
+        config = kwargs.get("vllm_config", args[0] if args else None)
+        note_worker_config(config)
         # The worker patches apply here, before the device and the model exist (register()
         # cannot tell which executor drives a worker; forked workers skip it).
         plugin.ensure_for_dualgpu(frozenset({WORKER}))
         super().__init__(*args, **kwargs)
-        config = kwargs.get("vllm_config", args[0] if args else None)
         self._virtual_card = _activate_virtual_card(getattr(self, "vllm_config", config),
                                                     getattr(self, "rank", kwargs.get("rank", 0)))
 
