@@ -47,9 +47,7 @@ def ensure_virtual_gpus() -> list[Outcome]:
                 if p.when == VIRTUAL_GPUS and version_in_range(version, p.vllm_versions)]
     skipped = [o.short() for o in outcomes if o.status not in (APPLIED, ALREADY)]
     if skipped:
-        message = refusal_message("worker, virtual GPUs", [f"virtual-GPU patch {s} was skipped" for s in skipped])
-        logger.error("%s", message)
-        raise StartupRefused(message)
+        refuse_start("worker, virtual GPUs", [f"virtual-GPU patch {s} was skipped" for s in skipped])
     return outcomes
 
 
@@ -126,10 +124,15 @@ def ensure_for_dualgpu(kinds: frozenset[str]) -> list[Outcome]:
     outcomes = ensure(kinds, active=True)
     problems = startup_problems(kinds, outcomes)
     if problems:
-        message = refusal_message(process_label(frozenset(kinds)), problems)
-        logger.error("%s", message)
-        raise StartupRefused(message)
+        refuse_start(process_label(frozenset(kinds)), problems)
     return outcomes
+
+
+def refuse_start(where: str, problems: list[str]) -> None:
+    """Log the refusal as one ERROR line and raise :class:`StartupRefused` with it."""
+    message = refusal_message(where, problems)
+    logger.error("%s", message)
+    raise StartupRefused(message)
 
 
 def startup_problems(kinds: frozenset[str], outcomes: list[Outcome]) -> list[str]:
