@@ -22,10 +22,10 @@ from __future__ import annotations
 import os
 import socket
 
-from vllm_dualgpu.log import logger
+from vllm_dualgpu.patching.core import like
 from vllm_dualgpu.virtual_gpus import VirtualCard
 
-_state: dict = {"card": None, "rank": None, "nvml": None}
+_state: dict = {"card": None, "nvml": None}
 
 
 def card() -> VirtualCard | None:
@@ -38,7 +38,7 @@ def activate(virtual: VirtualCard, rank: int) -> list:
     registry's virtual-gpus patches (returned as outcomes; a skipped one refuses the run)."""
     from vllm_dualgpu import plugin
 
-    _state.update(card=virtual, rank=rank)
+    _state.update(card=virtual)
     host = socket.gethostname()
     os.environ["NCCL_HOSTID"] = f"{host}-dualgpu-virtual-{rank}"
     os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
@@ -47,7 +47,7 @@ def activate(virtual: VirtualCard, rank: int) -> list:
 
 def deactivate() -> None:
     """Tests: forget the card (the patches answer the real card again)."""
-    _state.update(card=None, rank=None)
+    _state.update(card=None)
 
 
 # --- this process's memory on the physical GPU ---------------------------------------------------
@@ -100,12 +100,6 @@ def hold_to_card(device=None) -> int:
 # --- wrappers (factories of the registry's virtual-gpus-* patches) --------------------------------
 
 
-def _same(original, wrapper):
-    import functools
-
-    return functools.update_wrapper(wrapper, original, updated=())
-
-
 def wrap_memory_info(original):
     """``torch.accelerator.get_memory_info(device_index=None)`` / ``torch.cuda.mem_get_info``:
     the card's free and total memory on a virtual card, the original elsewhere."""
@@ -115,7 +109,7 @@ def wrap_memory_info(original):
             return original(*args, **kwargs)
         return memory_info()
 
-    return _same(original, memory)
+    return like(original, memory)
 
 
 def _platform_answer(original, field: str):
@@ -125,7 +119,7 @@ def _platform_answer(original, field: str):
         c = card()
         return original(cls, device_id) if c is None else getattr(c, field)
 
-    return _same(original, answer)
+    return like(original, answer)
 
 
 def wrap_device_name(original):
@@ -140,7 +134,7 @@ def wrap_torch_device_name(original):
         c = card()
         return original(device) if c is None else c.name
 
-    return _same(original, get_device_name)
+    return like(original, get_device_name)
 
 
 def wrap_device_capability(original):
@@ -155,16 +149,10 @@ def wrap_device_capability(original):
         major, minor = c.reported_capability
         return answer._replace(major=major, minor=minor)
 
-    return _same(original, get_device_capability)
+    return like(original, get_device_capability)
 
 
 def wrap_device_total_memory(original):
     """``get_device_total_memory`` of vLLM's CUDA platforms: the card's total."""
     return _platform_answer(original, "total_bytes")
 
-
-def log_card(rank: int) -> None:
-    c = card()
-    if c is not None:
-        logger.info("vllm-dualgpu rank %d: virtual GPU %s; NCCL_HOSTID=%s", rank, c.describe(),
-                    os.environ.get("NCCL_HOSTID"))

@@ -28,11 +28,7 @@ import functools
 import torch
 
 from vllm_dualgpu.log import logger
-
-
-def _like(original, wrapper):
-    """Name and docstring of ``original``, not its attributes (vLLM's cache lives there)."""
-    return functools.update_wrapper(wrapper, original, updated=())
+from vllm_dualgpu.patching.core import like
 
 
 def _current_device() -> int | None:
@@ -52,7 +48,7 @@ def wrap_get_device_capability(original):
                 device_id = current
         return original(cls, device_id)  # vLLM's @cache keys on (cls, device_id)
 
-    return _like(original, get_device_capability)
+    return like(original, get_device_capability)
 
 
 def _logical_id_of_visible(cls, visible: int) -> int:
@@ -92,7 +88,7 @@ def wrap_nvml_get_device_name(original):
                 return name_of(cls, current)
         return original(cls, device_id)
 
-    return _like(original, get_device_name)
+    return like(original, get_device_name)
 
 
 def wrap_visible_get_device_name(original):
@@ -106,7 +102,7 @@ def wrap_visible_get_device_name(original):
                 return cached(cls, current)
         return original(cls, device_id)
 
-    return _like(original, get_device_name)
+    return like(original, get_device_name)
 
 
 def wrap_get_device_name_as_file_name(original):
@@ -129,4 +125,4 @@ def wrap_get_device_name_as_file_name(original):
                 return name_of(current)
         return original(device_id)
 
-    return _like(original, get_device_name_as_file_name)
+    return like(original, get_device_name_as_file_name)

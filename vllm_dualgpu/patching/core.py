@@ -13,6 +13,7 @@ doctor`` uses it).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import os
@@ -80,6 +81,13 @@ class Patch:
     @property
     def qualname(self) -> str:
         return self.target.split(":", 1)[1]
+
+
+def like(original: Callable, wrapper: Callable) -> Callable:
+    """``wrapper`` with the name and docstring of ``original``, not its attributes (a cache vLLM
+    keeps there stays the original's), and ``__wrapped__``, so its signature reads as the
+    original's: what a factory returns for its patch."""
+    return functools.update_wrapper(wrapper, original, updated=())
 
 
 def opted_out(patch: Patch, env: dict | None = None) -> bool:
