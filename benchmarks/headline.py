@@ -284,17 +284,28 @@ def decode_at(llm, ids: list[int]) -> dict:
             "decode_tokens": len(run["tokens"]) - 1, "steps_counted": bool(run["steps"])}
 
 
-MEASURES = ("short", "mid", "second_turn", "long")
+# The ~250K prompt second: the per-rank peak it drives is what the memory claims are about.
+MEASURES = ("short", "long", "mid", "second_turn")
 
 
-def measure(llm, deadline: float, parts: tuple[str, ...] = MEASURES) -> dict:
-    """What an arm that booted measures (``parts`` of MEASURES), in order of cost; each only while
-    time is left (the rest are listed under "skipped")."""
+def save_progress(res: dict, progress: str | None) -> None:
+    """What is measured so far, so an arm cut by its limit keeps its boot and what ran."""
+    if progress:
+        Path(progress + ".tmp").write_text(json.dumps(res, default=str))
+        Path(progress + ".tmp").replace(progress)
+
+
+def measure(llm, deadline: float, parts: tuple[str, ...] = MEASURES, progress: str | None = None) -> dict:
+    """What an arm that booted measures (``parts`` of MEASURES), in that order; each only while
+    time is left (the rest are listed under "skipped"). ``progress``: a file rewritten after each
+    step (run_arm reads it when the arm is cut)."""
     cfg = llm.llm_engine.vllm_config
     res = {"num_gpu_blocks": cfg.cache_config.num_gpu_blocks, "block_size": cfg.cache_config.block_size,
            "partition": None, "skipped": []}
+    save_progress(res, progress)
     greedy = timed(llm, prompt(SHORT, 1), 32)
     res["greedy_token_ids"] = greedy["tokens"]
+    save_progress(res, progress)
     steps = {"short": lambda: decode_at(llm, prompt(SHORT, 2)), "mid": lambda: decode_at(llm, prompt(MID, 3)),
              "second_turn": lambda: second_turn(llm), "long": lambda: decode_at(llm, prompt(LONG, 5))}
     for name in parts:
@@ -306,6 +317,7 @@ def measure(llm, deadline: float, parts: tuple[str, ...] = MEASURES) -> dict:
             res[name] = fn()
         except Exception as exc:
             res[name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+        save_progress(res, progress)
     return res
 
 
@@ -427,8 +439,15 @@ def run_arm(arm: Arm, out: Path, job, timeout: float, cards_mib: list[int] | Non
     log = out / "logs" / f"{arm.file}.log"
     plan_file = out / "logs" / f"{arm.file}.plan.json"
     env = {**arm.env, "VLLM_DUALGPU_PLAN_FILE": str(plan_file)}
+    progress = log.with_suffix(".progress.json")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    progress.unlink(missing_ok=True)
+    if isinstance(job, functools.partial) and job.func is measure:
+        job = functools.partial(job, progress=str(progress))
     with ProcessPeaks() as s:
         res = run_llm(arm.kwargs, job, log=log, timeout=timeout, env=env)
+    if "error" in res and progress.exists():  # cut by its limit (or failed) after booting
+        res = {**json.loads(progress.read_text()), **res, "cut_after_boot": True}
     r = {"name": arm.name, "kind": arm.kind, "launcher": arm.launcher, "quant": arm.quant, "env": env,
          "kwargs": arm.kwargs, **{k: v for k, v in res.items() if k != "log"}}
     r["kv_tokens"] = res["num_gpu_blocks"] * res["block_size"] if res.get("num_gpu_blocks") else None
@@ -527,7 +546,8 @@ def plugin_split(out: Path, launcher: str) -> list[int] | None:
     return json.loads(f.read_text()).get("partition") if f.exists() else None
 
 
-def run_launcher(launcher: str, out: Path, kinds: set[str], total: float, virtual: str | None) -> None:
+def run_launcher(launcher: str, out: Path, kinds: set[str], total: float, virtual: str | None,
+                 limits: dict[str, int] = ARM_LIMIT_S) -> None:
     """The arms of ``kinds`` for one launcher, in order; stock stops at the first boot."""
     quant = QUANT[launcher]
     model = write_reference_model(out / "models" / quant, quant)
@@ -540,7 +560,7 @@ def run_launcher(launcher: str, out: Path, kinds: set[str], total: float, virtua
     for arm in specs():
         if arm.kind not in kinds or (arm.kind == "stock" and stock_booted):
             continue
-        limit = ARM_LIMIT_S[arm.kind]
+        limit = limits[arm.kind]
         job = boot_only if arm.kind == "stock" else functools.partial(measure, deadline=time.time() + limit - 60)
         stock_booted |= arm.kind == "stock" and run_arm(arm, out, job, limit, cards_mib)["booted"]
         save_all(out)
@@ -548,8 +568,8 @@ def run_launcher(launcher: str, out: Path, kinds: set[str], total: float, virtua
     if "split" in kinds and chosen:
         for arm in specs(chosen=chosen):
             if arm.kind == "split":
-                job = functools.partial(measure, deadline=time.time() + ARM_LIMIT_S["split"] - 60, parts=SPLIT_MEASURES)
-                run_arm(arm, out, job, ARM_LIMIT_S["split"], cards_mib)
+                job = functools.partial(measure, deadline=time.time() + limits["split"] - 60, parts=SPLIT_MEASURES)
+                run_arm(arm, out, job, limits["split"], cards_mib)
                 save_all(out)
 
 
@@ -721,6 +741,9 @@ def main() -> int:
                          f"card first; default {VIRTUAL!r}); 'none': two GPUs with ballast")
     ap.add_argument("--speed", action="store_true", help="the speed-aware split instead of the arms (two GPUs)")
     ap.add_argument("--sweep", default="14,30", help="--speed: first-rank layer counts FROM,TO (every 2)")
+    ap.add_argument("--limit", type=int, metavar="S",
+                    help="every arm's wall-clock limit in seconds (default: " +
+                         ", ".join(f"{k} {v}" for k, v in ARM_LIMIT_S.items()) + ")")
     ap.add_argument("--dry-run", action="store_true", help="print every arm's arguments and environment")
     args = ap.parse_args()
     launchers = [x for x in args.launchers.split(",") if x]
@@ -754,15 +777,16 @@ def main() -> int:
         lo, hi = map(int, args.sweep.split(","))
         speed_main(out / "speed", launchers[0], gpu_total_gib(), range(lo, hi + 1, 2))
         return 0
+    limits = {k: args.limit for k in ARM_LIMIT_S} if args.limit else ARM_LIMIT_S
     if virtual:  # one GPU; its total decides the expert's utilization (vLLM's free-memory check)
         total = gpu_total_gib(1)
         for name in launchers:
-            run_launcher(name, out, kinds, total, virtual)
+            run_launcher(name, out, kinds, total, virtual, limits)
     else:
         total = gpu_total_gib()
         with ballast(FREE, out / "logs"):
             for name in launchers:
-                run_launcher(name, out, kinds, total, None)
+                run_launcher(name, out, kinds, total, None, limits)
     print(table(save_all(out)))
     return 0
 

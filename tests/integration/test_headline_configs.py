@@ -331,3 +331,32 @@ def test_the_table_has_a_row_per_arm():
     assert lines[2] == ("| fp8-mtp | plugin | 16/48 | yes | 336,000 | 262,144 | 9.5 / - | 29.0 / 30.0 / - | - | "
                         "14,800 / 30,900 | 16,384 / 32,768 | 14,500 / 31,000 |")
     assert lines[3].startswith("| fp8-mtp | expert | 20/44 | no | - | - |")
+
+
+def test_an_arm_cut_by_its_limit_keeps_what_it_measured(tmp_path, monkeypatch):
+    """The engine booted and measured the short context, then the arm's limit cut it (no result
+    file): the arm still counts as booted, with its pool and what ran, and says it was cut."""
+
+    class NoPeaks:
+        peak, gpu_peak, gpu_base = {}, [0], [0]
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+    def cut(kwargs, job, *, log, timeout, env):
+        progress = getattr(job, "keywords", {}).get("progress")
+        hl.save_progress({"num_gpu_blocks": 210, "block_size": 1600, "short": {"decode_ms_per_step": 31.0}}, progress)
+        return {"error": "no result", "timed_out": True, "wall_s": timeout, "log": log}
+
+    monkeypatch.setattr(hl, "ProcessPeaks", NoPeaks)
+    monkeypatch.setattr(hl, "run_llm", cut)
+    arm = hl.Arm("fp8-mtp/plugin", "plugin", "fp8-mtp", {}, {})
+    job = hl.functools.partial(hl.measure, deadline=0.0)
+    r = hl.run_arm(arm, tmp_path, job, 300)
+    assert (r["booted"], r["kv_tokens"], r["cut_after_boot"], r["timed_out"]) == (True, 336_000, True, True)
+    assert hl.headline_row(r)["ms_per_step"]["short"] == 31.0
+    uncut = hl.run_arm(arm, tmp_path, lambda llm: {}, 300)  # a job without progress: nothing to keep
+    assert uncut["booted"] is False
