@@ -69,6 +69,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import re
 import sys
 import threading
@@ -181,8 +182,9 @@ def expert_env(launcher: str, virtual: str | None) -> dict:
            "VLLM_PP_LAYER_PARTITION": ",".join(map(str, EXPERT[launcher]["partition"]))}
     if not virtual:
         return {**env, "CUDA_VISIBLE_DEVICES": "0,1"}
+    path = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))  # keep a staged vLLM's
     return {**env, "CUDA_VISIBLE_DEVICES": "0", "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
-            "NCCL_SOCKET_IFNAME": "lo", "PYTHONPATH": str(HERE)}
+            "NCCL_SOCKET_IFNAME": "lo", "PYTHONPATH": path}
 
 
 def expert_kwargs(launcher: str, base: dict, utilization: float, virtual: str | None) -> dict:
@@ -423,13 +425,16 @@ def rank_pids(lines: list[str]) -> dict[int, int]:
     for line in lines:
         for m in re.finditer(r"\(Worker\w*?_PP(\d+)\w* pid=(\d+)\)", line):
             out[int(m.group(2))] = int(m.group(1))
+        # before the ranks are named (vLLM 0.33's boot lines): VllmWorker-<rank> (PP only, TP 1)
+        for m in re.finditer(r"\(VllmWorker-(\d+) pid=(\d+)\)", line):
+            out.setdefault(int(m.group(2)), int(m.group(1)))
     return out
 
 
 def rank_peaks_mib(log: Path, peaks: dict[int, int], pp: int = 2) -> list[int | None]:
     """Each rank's peak (MiB) from the per-process samples; None where no process was mapped."""
     by_rank: list[int | None] = [None] * pp
-    for pid, rank in rank_pids(grep(log, r"Worker\w*_PP\d")).items():
+    for pid, rank in rank_pids(grep(log, r"Worker\w*_PP\d|VllmWorker-\d")).items():
         if rank < pp and pid in peaks:
             by_rank[rank] = max(by_rank[rank] or 0, round(peaks[pid] / 2**20))
     return by_rank
@@ -562,7 +567,8 @@ def run_launcher(launcher: str, out: Path, kinds: set[str], total: float, virtua
             continue
         limit = limits[arm.kind]
         job = boot_only if arm.kind == "stock" else functools.partial(measure, deadline=time.time() + limit - 60)
-        stock_booted |= arm.kind == "stock" and run_arm(arm, out, job, limit, cards_mib)["booted"]
+        booted = run_arm(arm, out, job, limit, cards_mib)["booted"]
+        stock_booted |= arm.kind == "stock" and booted
         save_all(out)
     chosen = plugin_split(out, launcher)
     if "split" in kinds and chosen:

@@ -102,11 +102,12 @@ def ensure(kinds: frozenset[str], active: bool = False) -> list[Outcome]:
 
 def required_patches(kinds: frozenset[str], version: str) -> list:
     """The patches a dualgpu process of ``kinds`` must have applied on vLLM ``version``: from
-    the registry, whatever this process happened to try."""
+    the registry, whatever this process happened to try. Conditional entries (``Patch.when``)
+    are not among them: their own step applies and requires them (:func:`ensure_virtual_gpus`)."""
     from vllm_dualgpu.patching.registry import PATCHES
 
     return [p for p in PATCHES if frozenset(kinds).intersection(p.processes) and not p.optional
-            and not opted_out(p) and version_in_range(version, p.vllm_versions)]
+            and not p.when and not opted_out(p) and version_in_range(version, p.vllm_versions)]
 
 
 class StartupRefused(RuntimeError):

@@ -85,6 +85,16 @@ def test_the_arms_are_the_issues_on_the_virtual_pair(tmp_path):
     assert [n for n in same if n.startswith("split")] == ["split-2", "split+2"]
 
 
+def test_the_expert_keeps_the_python_path_it_was_started_with(tmp_path, monkeypatch):
+    """The worker class's folder goes in front of PYTHONPATH; what was there (a staged vLLM)
+    stays: replacing it left the expert's workers without vLLM."""
+    monkeypatch.setenv("PYTHONPATH", "/staged/site")
+    env = hl.expert_env("fp8-mtp", hl.VIRTUAL)
+    assert env["PYTHONPATH"].split(":") == [str(Path(hl.__file__).resolve().parent), "/staged/site"]
+    monkeypatch.delenv("PYTHONPATH")
+    assert hl.expert_env("fp8-mtp", hl.VIRTUAL)["PYTHONPATH"] == str(Path(hl.__file__).resolve().parent)
+
+
 def test_the_dflash2_launchers_take_the_experts_flags(tmp_path):
     drafter = tmp_path / "drafter"
     splits = {"nvfp4-dflash2": "13,51", "w8a16-dflash2": "19,45", "fp8-dflash2": "21,43"}
@@ -290,8 +300,8 @@ def test_predicted_memory_is_placed_by_gpu_index_not_rank():
 
 def test_ranks_are_read_from_vllms_worker_prefixes():
     lines = ["(Worker_PP0 pid=101) INFO 12-01 [gpu_worker.py:1] ...", "(Worker_PP1_TP0 pid=202) INFO x",
-             "(EngineCore pid=303) INFO y", "(Worker_PP1 pid=204) WARNING z"]
-    assert hl.rank_pids(lines) == {101: 0, 202: 1, 204: 1}
+             "(EngineCore pid=303) INFO y", "(Worker_PP1 pid=204) WARNING z", "(VllmWorker-1 pid=205) INFO b"]
+    assert hl.rank_pids(lines) == {101: 0, 202: 1, 204: 1, 205: 1}
 
 
 def test_the_predicted_peak_is_each_ranks_whole_charge():
@@ -360,3 +370,13 @@ def test_an_arm_cut_by_its_limit_keeps_what_it_measured(tmp_path, monkeypatch):
     assert hl.headline_row(r)["ms_per_step"]["short"] == 31.0
     uncut = hl.run_arm(arm, tmp_path, lambda llm: {}, 300)  # a job without progress: nothing to keep
     assert uncut["booted"] is False
+
+
+@pytest.mark.parametrize("kinds,expected", [({"plugin"}, ["plugin"]), ({"expert", "plugin"}, ["expert", "plugin"])])
+def test_run_launcher_runs_every_asked_arm(tmp_path, monkeypatch, kinds, expected):
+    """Seen on the GPU: `--arms plugin` ran nothing and wrote an empty table."""
+    ran = []
+    monkeypatch.setattr(hl, "run_arm", lambda arm, *a, **k: ran.append(arm.kind) or {"booted": True})
+    monkeypatch.setattr(hl, "save_all", lambda out: [])
+    hl.run_launcher("fp8-mtp", tmp_path, kinds, TOTAL, hl.VIRTUAL)
+    assert ran == expected

@@ -181,3 +181,15 @@ def test_a_kind_counts_as_done_only_after_it_succeeded(monkeypatch):
         plugin.ensure(frozenset({ENGINE}))
     outcomes = plugin.ensure(frozenset({ENGINE}))
     assert [(o.patch.name, o.status) for o in outcomes] == [("test-wrong-params", SKIPPED)]
+
+
+@pytest.mark.parametrize("kind", [WORKER])
+def test_conditional_patches_are_not_required_of_every_dualgpu_process(kind):
+    """The real registry: an entry that applies only under a condition (``Patch.when``, the
+    virtual-GPU emulation) is not required of every dualgpu process of its kind, else every
+    dualgpu worker on real cards is refused for patches it must not apply. Seen on a GPU: every
+    worker refused with "required patch virtual-gpus-memory-info was not applied"."""
+    conditional = [p.name for p in registry.PATCHES if p.when and kind in p.processes]
+    assert conditional, "the registry has conditional entries for this kind"
+    required = {p.name for p in plugin.required_patches(frozenset({kind}), VERSION)}
+    assert not required.intersection(conditional)
