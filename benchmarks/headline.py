@@ -490,9 +490,11 @@ def headline_row(r: dict) -> dict:
     pool = None
     if r.get("kv_tokens") is not None:
         pool = r["kv_tokens"]
+    cut = not r.get("booted") and bool(r.get("timed_out"))  # the arm's limit ended the boot: no refusal
     return {
         "launcher": r.get("launcher"), "arm": arm_label(r), "booted": bool(r.get("booted")),
-        "refusal": None if r.get("booted") else (r.get("refusals") or [r.get("error")])[0],
+        "refusal": None if r.get("booted") or cut else (r.get("refusals") or [r.get("error")])[0],
+        "cut_during_boot_s": r.get("wall_s") if cut else None,
         "split": r.get("partition"), "max_model_len": r.get("largest_context"),
         "pool_tokens": pool, "peak_mib": r.get("peak_mib"), "card_mib": r.get("card_mib"),
         "ms_per_step": {"short": d["short"].get("decode_ms_per_step"), "32k": d["mid"].get("decode_ms_per_step"),
@@ -502,6 +504,12 @@ def headline_row(r: dict) -> dict:
         "greedy_token_ids": r.get("greedy_token_ids"),
         "predicted_peak_mib": r.get("predicted_peak_mib"),
     }
+
+
+def booted_cell(h: dict) -> str:
+    if h["booted"]:
+        return "yes"
+    return "no" if h["cut_during_boot_s"] is None else f"cut at {h['cut_during_boot_s']:.0f} s, booting"
 
 
 def fmt(x, spec: str = "") -> str:
@@ -517,7 +525,7 @@ def table(results: list[dict]) -> str:
         pair = lambda xs: " / ".join(fmt(x, ",") for x in (xs or [None, None]))  # noqa: E731
         rows.append(
             f"| {h['launcher']} | {h['arm']} | {'/'.join(map(str, h['split'] or [])) or 'even'} | "
-            f"{'yes' if h['booted'] else 'no'} | {fmt(h['pool_tokens'], ',')} | {fmt(h['max_model_len'], ',')} | "
+            f"{booted_cell(h)} | {fmt(h['pool_tokens'], ',')} | {fmt(h['max_model_len'], ',')} | "
             f"{fmt(h['ttft_s']['32k'])} / {fmt(h['ttft_s']['250k'])} | "
             f"{' / '.join(fmt(h['ms_per_step'][k]) for k in ('short', '32k', '250k'))} | "
             f"{fmt(h['second_turn_ttft_s'])} | {pair(h['peak_mib'])} | {pair(h['card_mib'])} | "

@@ -109,11 +109,30 @@ def pair(free_gib: list[float], logdir: Path):
 RUNNING: set[int] = set()  # process groups started here and not yet ended
 
 
+JIT_KERNELS_ENV = "DUALGPU_GPU_JIT_KERNELS"
+"""Set to 1 to leave vLLM's kernel choice alone (PRECOMPILED_KERNELS not applied)."""
+PRECOMPILED_KERNELS = {
+    # vLLM 0.33 picks kernels that are built on first use: FlashInfer's SM90 block-FP8 GEMM
+    # (fp8_blockscale_gemm_90) and humming's. On a fresh GPU machine each build took longer than
+    # the 2-4 minutes left in the call (seen on the 14B FP8 and the headline models); vLLM then
+    # takes CUTLASS, Marlin or Machete, which ship built. Every child gets the same choice, so
+    # stock and plugin arms stay comparable.
+    "VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER": "0",
+    "VLLM_DISABLED_KERNELS": ",".join(("HummingFP8ScaledMMLinearKernel", "HummingInt8ScaledMMLinearKernel",
+                                       "HummingLinearKernel", "HummingNvFp4LinearKernel")),
+}
+
+
+def kernel_env() -> dict:
+    """The kernel settings every child starts with (an explicit value in its env wins)."""
+    return {} if os.environ.get(JIT_KERNELS_ENV) == "1" else dict(PRECOMPILED_KERNELS)
+
+
 def child_env(extra: dict | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "VLLM_TARGET_DEVICE"}
     # On SIGABRT every Python process of the group writes its threads' stacks (stop_group(dump=True)).
     env.setdefault("PYTHONFAULTHANDLER", "1")
-    return {**env, **(extra or {}), "PYTHONSAFEPATH": "1"}
+    return {**kernel_env(), **env, **(extra or {}), "PYTHONSAFEPATH": "1"}
 
 
 def start_group(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
@@ -276,6 +295,8 @@ def _llm_child(engine_kwargs: dict, job, log: str, result: str, env: dict) -> No
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.environ.pop("VLLM_TARGET_DEVICE", None)
+    for key, value in kernel_env().items():
+        os.environ.setdefault(key, value)
     os.environ.update(env)
     t0 = time.time()
     res: dict = {}

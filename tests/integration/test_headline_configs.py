@@ -332,6 +332,10 @@ def test_headline_json_is_the_issues_schema():
     refused = hl.headline_row({"name": "fp8-dflash2/expert", "kind": "expert", "launcher": "fp8-dflash2",
                                "booted": False, "refusals": ["ValueError: ... maximum model length is 117504."]})
     assert refused["booted"] is False and refused["arm"] == "expert" and "117504" in refused["refusal"]
+    assert refused["cut_during_boot_s"] is None
+    cut = hl.headline_row({"name": "fp8-mtp/plugin", "kind": "plugin", "launcher": "fp8-mtp", "booted": False,
+                           "error": "no result", "timed_out": True, "wall_s": 458.4, "refusals": []})
+    assert (cut["booted"], cut["refusal"], cut["cut_during_boot_s"]) == (False, None, 458.4)
 
 
 def test_the_table_has_a_row_per_arm():
@@ -341,6 +345,8 @@ def test_the_table_has_a_row_per_arm():
     assert lines[2] == ("| fp8-mtp | plugin | 16/48 | yes | 336,000 | 262,144 | 9.5 / - | 29.0 / 30.0 / - | - | "
                         "14,800 / 30,900 | 16,384 / 32,768 | 14,500 / 31,000 |")
     assert lines[3].startswith("| fp8-mtp | expert | 20/44 | no | - | - |")
+    cut = {**refused, "name": "fp8-mtp/plugin", "kind": "plugin", "timed_out": True, "wall_s": 458.4}
+    assert hl.table([cut]).splitlines()[2].startswith("| fp8-mtp | plugin | 20/44 | cut at 458 s, booting | - |")
 
 
 def test_an_arm_cut_by_its_limit_keeps_what_it_measured(tmp_path, monkeypatch):

@@ -98,3 +98,26 @@ def test_stop_group_ends_what_left_the_group_but_not_the_session(tmp_path):
     time.sleep(0.3)
     assert not running(child), "the process that left the group survived"
     assert not group_alive(p.pid)
+
+
+def _job_env(_llm):
+    return {k: os.environ.get(k) for k in ("VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER", "VLLM_DISABLED_KERNELS")}
+
+
+def test_children_take_precompiled_kernels_unless_asked(tmp_path, monkeypatch):
+    """Every child the harness starts avoids the kernels vLLM 0.33 builds on first use (FlashInfer's
+    SM90 block-FP8 GEMM, humming's): on a fresh GPU machine those builds outlasted a whole call
+    (seen twice). An explicit value wins; DUALGPU_GPU_JIT_KERNELS=1 leaves vLLM's choice."""
+    from gpu_harness import child_env
+
+    monkeypatch.delenv("DUALGPU_GPU_JIT_KERNELS", raising=False)
+    env = child_env()
+    assert env["VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER"] == "0"
+    assert "HummingNvFp4LinearKernel" in env["VLLM_DISABLED_KERNELS"].split(",")
+    assert child_env({"VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER": "1"})["VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER"] == "1"
+    res = run_llm(None, _job_env, log=tmp_path / "job.log", timeout=60)
+    assert res["VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER"] == "0" and "HummingLinearKernel" in res["VLLM_DISABLED_KERNELS"]
+    monkeypatch.setenv("DUALGPU_GPU_JIT_KERNELS", "1")
+    monkeypatch.delenv("VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER", raising=False)
+    assert "VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER" not in child_env()
+    assert run_llm(None, _job_env, log=tmp_path / "jit.log", timeout=60)["VLLM_DISABLED_KERNELS"] is None
