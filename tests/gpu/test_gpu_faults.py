@@ -1,6 +1,7 @@
 """Faults under PP=2 through the plugin (issue #23 part 3), on two GPUs or the virtual pair:
-``vllm serve`` with requests streaming when a worker is killed (SIGKILL) or stopped (SIGSTOP).
-Each case records its time to a clear end; the claims are bounds."""
+``vllm serve`` with requests streaming when a worker is killed (SIGKILL) or stopped (SIGSTOP),
+and a rank that runs out of its card's memory while generating. Each case records its time to a
+clear end; the claims are bounds."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from gpu_harness import VllmServer, gpu_out, group_alive, model_dir, needs_pair, pair_env, plugin_lines, tail  # noqa: F401
+from gpu_harness import VllmServer, gpu_out, grep, group_alive, model_dir, needs_pair, pair_env, plugin_lines, run_llm, tail  # noqa: F401
 
 ARGS = ["--load-format", "dummy", "--enforce-eager", "--max-model-len", "2048", "--max-num-seqs", "8",
         "--gpu-memory-utilization", "0.3", "--pipeline-parallel-size", "2",
@@ -123,3 +124,60 @@ def test_a_stopped_worker_is_bounded(model_dir, gpu_out, record_property):
     # a stopped worker left /health at 200 and every stream silent for 55 s.
     assert rec["health_bad_after_s"] is not None and rec["health_bad_after_s"] < STALL_LIMIT_S + 30, rec
     assert len(rec["requests"]) == 4, f"streams still open {STALL_LIMIT_S + 60} s after the stop: {rec['requests']}"
+
+
+OOM_RANK = 0
+OOM_BOUND_S = 60
+
+
+def fill_card(worker, rank: int) -> int:
+    """In each worker: on ``rank``, allocate until torch refuses (the card's cap and the
+    allocator's cached blocks both used up) and keep it; bytes taken."""
+    import torch
+
+    if worker.rank != rank:
+        return 0
+    held, chunk = [], 256 << 20
+    while chunk >= 1 << 20:
+        try:
+            held.append(torch.empty(chunk, dtype=torch.uint8, device=worker.device))
+        except torch.OutOfMemoryError:
+            chunk //= 4
+    worker._fault_ballast = held
+    return sum(t.numel() for t in held)
+
+
+def fill_then_generate(llm) -> dict:
+    import sys
+
+    import cloudpickle
+    from vllm import SamplingParams
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    taken = llm.collective_rpc(fill_card, args=(OOM_RANK,), timeout=120)
+    t0 = time.time()
+    prompts = [{"prompt_token_ids": [5 + (i * 31 + j) % 200 for j in range(1500)]} for i in range(4)]
+    try:
+        llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
+        return {"taken": taken, "generated": True, "s": round(time.time() - t0, 1)}
+    except Exception as exc:
+        return {"taken": taken, "generated": False, "raised": f"{type(exc).__name__}: {exc}"[:400],
+                "s": round(time.time() - t0, 1)}
+
+
+@needs_pair()
+@pytest.mark.timeout(600)
+def test_a_rank_out_of_its_card_while_serving_ends_with_its_name(model_dir, gpu_out, record_property):
+    """Rank 0 fills its (virtual) card, then a batch of long prompts needs activations there:
+    the rank says it ran out of memory while serving, with its card and the fix, and ends, so
+    the engine fails the requests at once instead of waiting for the other rank."""
+    log = gpu_out / "oom.log"
+    kwargs = {"model": str(model_dir("tiny-dense")), "load_format": "dummy", "enforce_eager": True,
+              "max_model_len": 2048, "pipeline_parallel_size": 2, "distributed_executor_backend": "dualgpu"}
+    res = run_llm(kwargs, fill_then_generate, log=log, timeout=400, env=pair_env())
+    record_property("oom", {k: v for k, v in res.items() if k != "log"})
+    assert not res["timed_out"], tail(log)
+    assert res.get("taken") and res["taken"][OOM_RANK] > 0, res
+    assert res.get("generated") is False and res["s"] < OOM_BOUND_S, res
+    line = grep(log, "ran out of memory while serving")
+    assert line and f"rank {OOM_RANK} (" in line[0] and "VLLM_DUALGPU_RESERVE" in line[0], tail(log)

@@ -255,11 +255,27 @@ class DualGpuWorker(Worker):
         finally:
             _end_this_process()
 
-    def _exit_on_oom(self, exc: BaseException) -> None:
-        """Out of memory in warm-up: say what to change and end this worker.
+    def execute_model(self, *args, **kwargs):
+        try:
+            return super().execute_model(*args, **kwargs)
+        except torch.OutOfMemoryError as exc:
+            self._exit_on_oom(exc, "while serving")
+
+    if hasattr(Worker, "sample_tokens"):  # vLLM 0.31+: sampling is a step of its own
+
+        def sample_tokens(self, *args, **kwargs):
+            try:
+                return super().sample_tokens(*args, **kwargs)
+            except torch.OutOfMemoryError as exc:
+                self._exit_on_oom(exc, "while serving")
+
+    def _exit_on_oom(self, exc: BaseException, when: str = "during warm-up, after the KV cache was sized") -> None:
+        """Out of memory in warm-up or while serving: say what to change and end this worker.
 
         Returning the error is not enough: the other rank waits in a pipeline receive for this
-        one, so the engine would wait forever. A dead worker makes vLLM shut the engine down.
+        one, and vLLM's multiproc executor only hears errors from the output rank, so the
+        engine would wait (in warm-up forever, while serving until
+        VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS). A dead worker makes vLLM shut the engine down.
         The process ends whatever fails while the line is written.
         """
         try:
@@ -267,10 +283,10 @@ class DualGpuWorker(Worker):
             record = getattr(self, "_dualgpu_rank", None)
             reserve = record.reserve_bytes if record else envs.DEFAULT_RESERVE_BYTES
             logger.error(
-                "vllm-dualgpu rank %d (%s) ran out of memory during warm-up, after the KV cache was "
-                "sized (%s; reserve %s): %s. Keep more free on this GPU: raise its value in %s "
-                "(e.g. %s), or lower --max-num-batched-tokens / --max-num-seqs.",
-                self.rank, name, state, _gib(reserve), _oom_detail(exc), envs.RESERVE,
+                "vllm-dualgpu rank %d (%s) ran out of memory %s (%s; reserve %s): %s. Keep more "
+                "free on this GPU: raise its value in %s (e.g. %s), or lower "
+                "--max-num-batched-tokens / --max-num-seqs.",
+                self.rank, name, when, state, _gib(reserve), _oom_detail(exc), envs.RESERVE,
                 _gib(reserve + GiB),
             )
         finally:
