@@ -22,9 +22,12 @@ def test_only_ended_ranks_are_named_with_their_gpu():
                      "host memory, or killed from outside); the engine shuts down and fails its requests"]
 
 
-def test_exit_status_one_points_at_the_warm_up_error():
+def test_exit_status_one_points_at_the_ranks_own_error_line():
+    """A rank ends itself with status 1 after an out-of-memory error in warm-up or while serving
+    (engine/worker.py), or any other warm-up error: the line says where the reason is."""
     (line,) = dead_rank_lines([handle(0, 1), handle(1, None)])
-    assert line.startswith("vllm-dualgpu: pipeline rank 0 exited with status 1 (a rank that runs out of GPU memory")
+    assert line.startswith("vllm-dualgpu: pipeline rank 0 exited with status 1 (a rank that fails in warm-up "
+                           "or runs out of GPU memory while serving ends itself: see its ERROR line above)")
 
 
 def test_no_line_while_every_worker_runs():

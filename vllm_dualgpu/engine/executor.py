@@ -30,7 +30,8 @@ def dead_rank_lines(workers, gpus=None, tp_size: int = 1) -> list[str]:
         else:
             how = f"exited with status {code}"
             if code == 1:
-                how += " (a rank that runs out of GPU memory in warm-up ends itself: see its ERROR line above)"
+                how += (" (a rank that fails in warm-up or runs out of GPU memory while serving ends itself: "
+                        "see its ERROR line above)")
         who = (f"pipeline rank {h.rank}" if tp_size == 1
                else f"rank {h.rank} (stage {h.rank // tp_size}, TP rank {h.rank % tp_size})")
         lines.append(f"vllm-dualgpu: {who}{where} {how}; the engine shuts down "
