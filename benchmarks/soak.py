@@ -6,10 +6,11 @@
 
 On the GPU machine after staging: ``bash scripts/gpu/run.sh OUTDIR soak`` (a boot of up to
 10 min on a fresh machine + 10 min load + drain: longer than one 10-minute command, so start it
-with ``setsid nohup ... &`` and poll for ``OUTDIR/soak/soak.json``). Needs both GPUs free.
+with ``setsid nohup ... &`` and poll for ``OUTDIR/soak/soak.json``). Needs the GPUs free.
 
 What it does: writes the model (``gpu_models.write_model(PRESET, weights="random")``, default
-``small-hybrid`` with MTP), holds ballast (GPU 0: 32 GiB free, GPU 1: 16 GiB) and starts ``vllm
+``small-hybrid`` with MTP), makes the pair (two GPUs: ballast leaving GPU 0 32 GiB free and GPU 1
+16 GiB; one GPU: the virtual pair of those sizes, ``gpu_harness.pair``) and starts ``vllm
 serve`` with PP=2 through the plugin (MTP with 2 tokens when the model has MTP weights; eager,
 max_model_len 4096, 127.0.0.1 only). CONCURRENCY client threads send /v1/completions for MINUTES:
 prompts of 8 to ~2,800 tokens, a third opening with one of three long shared prefixes, max_tokens
@@ -28,6 +29,7 @@ booted, requests were served, and there were 0 errors and 0 timeouts.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -42,7 +44,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gpu"))
-from gpu_harness import VllmServer, ballast, grep, stop_all  # noqa: E402
+from gpu_harness import VllmServer, grep, pair, stop_all  # noqa: E402
 from gpu_models import PRESETS, gdn_prefill_config, has_mtp, write_model  # noqa: E402
 
 FREE_GIB = [32.0, 16.0]
@@ -448,8 +450,6 @@ def main(argv: list[str] | None = None) -> int:
     if shared:
         args_ += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     log = out / "soak_server.log"
-    server = VllmServer(str(model), args_, log=log, env={"VLLM_DUALGPU_PLAN_FILE": str(out / "soak_plan.json")},
-                        timeout=args.boot_timeout)
     result: dict = {"config": {"minutes": args.minutes, "concurrency": args.concurrency, "preset": args.preset,
                                "request_timeout_s": args.request_timeout, "sample_s": args.sample_s,
                                "ballast_free_gib": None if shared else FREE_GIB,
@@ -470,7 +470,11 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    with ballast([None, None] if shared else FREE_GIB, out / "logs"):
+    # The pair: two GPUs with ballast, or a virtual pair on one (gpu_harness.pair); shared GPUs: as they are.
+    with (contextlib.nullcontext({}) if shared else pair(FREE_GIB, out / "logs")) as pair_vars:
+        result["config"]["virtual_gpus"] = pair_vars.get("VLLM_DUALGPU_VIRTUAL_GPUS")
+        server = VllmServer(str(model), args_, log=log, timeout=args.boot_timeout,
+                            env={"VLLM_DUALGPU_PLAN_FILE": str(out / "soak_plan.json"), **pair_vars})
         try:
             with server:
                 result.update(ready=True, boot_s=server.ready_s)
