@@ -35,13 +35,20 @@ def card() -> VirtualCard | None:
 
 def activate(virtual: VirtualCard, rank: int) -> list:
     """Make this worker process rank ``rank`` on ``virtual``: NCCL's host id, then the
-    registry's virtual-gpus patches (returned as outcomes; a skipped one refuses the run)."""
+    registry's virtual-gpus patches (returned as outcomes; a skipped one refuses the run).
+
+    TP groups of emulated ranks reduce through NCCL: vLLM's FlashInfer all-reduce (on by default
+    for TP) is for distinct GPUs of one host, and on the one physical GPU it JIT-builds its
+    trtllm_comm module for minutes; ``VLLM_ALLREDUCE_USE_FLASHINFER=0`` unless the user set it.
+    Set here, in the worker's own process before its device and communicators exist (vLLM
+    caches its environment only after that); custom all-reduce is off through the plan."""
     from vllm_dualgpu import plugin
 
     _state.update(card=virtual)
     host = socket.gethostname()
     os.environ["NCCL_HOSTID"] = f"{host}-dualgpu-virtual-{rank}"
     os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("VLLM_ALLREDUCE_USE_FLASHINFER", "0")
     return plugin.ensure_virtual_gpus()
 
 

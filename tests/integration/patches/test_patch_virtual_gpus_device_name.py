@@ -42,6 +42,18 @@ def test_each_rank_has_a_nccl_host_id_of_its_own(emulation):
     assert os.environ["NCCL_HOSTID"] != first and os.environ["NCCL_HOSTID"].endswith("-virtual-1")
 
 
+def test_tp_ranks_on_one_gpu_reduce_through_nccl(emulation, monkeypatch):
+    """vLLM's FlashInfer all-reduce (on by default for TP groups) is for distinct GPUs of one
+    host: on the one physical GPU it was seen JIT-building trtllm_comm for minutes. Off in an
+    emulated rank, unless the user set it; custom all-reduce is off through the plan."""
+    from vllm import envs
+
+    assert os.environ["VLLM_ALLREDUCE_USE_FLASHINFER"] == "0" and envs.VLLM_ALLREDUCE_USE_FLASHINFER is False
+    monkeypatch.setenv("VLLM_ALLREDUCE_USE_FLASHINFER", "1")
+    vg.activate(CARD, 0)
+    assert envs.VLLM_ALLREDUCE_USE_FLASHINFER is True
+
+
 def test_a_virtual_patch_that_does_not_apply_refuses_the_run(platforms, monkeypatch):
     broken = [dataclasses.replace(p, params=("nope",)) if p.name == "virtual-gpus-device-name" else p
               for p in registry.PATCHES]

@@ -49,7 +49,7 @@ def emulation(platforms, monkeypatch):
     """The rank's process after activate(): patches applied, reverted afterwards."""
     nvml = PerProcessNvml([(os.getpid() + 1, 40 * GiB), (os.getpid(), 3 * GiB)])
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
-    for var in ("NCCL_HOSTID", "NCCL_SOCKET_IFNAME"):
+    for var in ("NCCL_HOSTID", "NCCL_SOCKET_IFNAME", "VLLM_ALLREDUCE_USE_FLASHINFER"):
         monkeypatch.delenv(var, raising=False)
     vg._state.update(nvml=None)
     outcomes = vg.activate(CARD, 0)
