@@ -181,3 +181,43 @@ def test_a_rank_out_of_its_card_while_serving_ends_with_its_name(model_dir, gpu_
     assert res.get("generated") is False and res["s"] < OOM_BOUND_S, res
     line = grep(log, "ran out of memory while serving")
     assert line and f"rank {OOM_RANK} (" in line[0] and "VLLM_DUALGPU_RESERVE" in line[0], tail(log)
+
+
+REQUIRED_ENGINE_PATCH = "pp-inflight-batches"
+
+
+def break_then_boot(_llm, kwargs: dict) -> dict:
+    """In a fresh process, the engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0): a required
+    engine patch whose target signature no longer matches, then vllm.LLM. Returns how it ended."""
+    import dataclasses
+    import time as _time
+
+    from vllm_dualgpu.patching import registry
+
+    registry.PATCHES = tuple(dataclasses.replace(p, params=("not", "vllms")) if p.name == REQUIRED_ENGINE_PATCH
+                             else p for p in registry.PATCHES)
+    from vllm import LLM
+
+    t0 = _time.time()
+    try:
+        LLM(**kwargs)
+        return {"booted": True, "s": round(_time.time() - t0, 1)}
+    except Exception as exc:
+        return {"booted": False, "raised": type(exc).__name__, "message": str(exc)[:600],
+                "s": round(_time.time() - t0, 1)}
+
+
+@needs_pair()
+@pytest.mark.timeout(300)
+def test_a_required_patch_that_does_not_apply_refuses_before_the_engine_starts(model_dir, gpu_out, record_property):
+    import functools
+
+    log = gpu_out / "required-patch.log"
+    kwargs = {"model": str(model_dir("tiny-dense")), "load_format": "dummy", "enforce_eager": True,
+              "max_model_len": 2048, "pipeline_parallel_size": 2, "distributed_executor_backend": "dualgpu"}
+    res = run_llm(None, functools.partial(break_then_boot, kwargs=kwargs), log=log, timeout=240,
+                  env={**pair_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    record_property("required patch refused", {k: v for k, v in res.items() if k != "log"})
+    assert not res["timed_out"] and res.get("booted") is False, res
+    assert f"required patch {REQUIRED_ENGINE_PATCH}" in res["message"] and "--distributed-executor-backend mp" in res["message"]
+    assert not grep(log, r"Worker_PP\d|VllmWorker-\d"), "a worker started before the refusal"
