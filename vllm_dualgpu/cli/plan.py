@@ -19,6 +19,7 @@ from vllm_dualgpu.cli.inputs import REFERENCE_PLACEHOLDER
 from vllm_dualgpu.cli.inputs import UsageError as _Fail
 from vllm_dualgpu.cli.inputs import read_config as _read_config
 from vllm_dualgpu.cli.inputs import with_default_reserves as _with_default_reserves
+from vllm_dualgpu.planner.objective import DEFAULT_OBJECTIVE, OBJECTIVES
 
 _EPILOG = """\
 --gpus syntax: comma-separated NAME[:TOTAL[:FREE]][:key=value...], in CUDA index order.
@@ -136,10 +137,11 @@ def add_parser(sub) -> None:
     p.add_argument("--gpu-order", type=_int_list, help="CUDA indices, rank 0 first (default: searched)")
     p.add_argument(
         "--objective",
-        default=os.environ.get("VLLM_DUALGPU_OBJECTIVE", "pool"),
-        choices=("pool", "speed", "auto"),
-        help="pool (default, $VLLM_DUALGPU_OBJECTIVE): largest KV pool, the faster split among "
-        "those within 1%% of it; speed/auto: fastest split that holds --max-model-len",
+        default=None,
+        choices=OBJECTIVES,
+        help="speed (default, $VLLM_DUALGPU_OBJECTIVE): the fastest predicted decode among the splits "
+        "that hold --max-model-len (and --max-num-seqs such requests, where one does), then the largest "
+        "pool; pool: the largest KV pool, the faster split among those within 1%% of it; auto: speed",
     )
     p.add_argument("--drafter-shares-embedding", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--vision-on-every-rank", action="store_true", help=argparse.SUPPRESS)
@@ -199,8 +201,9 @@ def _serve_command(model_arg: str, p, args) -> str:
     env = []
     if "layer_partition" in p.overrides:
         env.append(f"VLLM_PP_LAYER_PARTITION={p.overrides['layer_partition']}")
-    if args.objective != "pool":
-        env.append(f"VLLM_DUALGPU_OBJECTIVE={args.objective}")
+    chosen_by = p.request.objective  # --objective, else $VLLM_DUALGPU_OBJECTIVE, else the default
+    if chosen_by != DEFAULT_OBJECTIVE:
+        env.append(f"VLLM_DUALGPU_OBJECTIVE={chosen_by}")
     parts = env + ["vllm serve", q(model_arg)]
     if not p.passthrough:
         parts.append(f"--pipeline-parallel-size {len(p.partition)}")
@@ -300,7 +303,7 @@ def request_from_args(args, model, gpus):
     from the VllmConfig of the same command (engine/planning.plan_request), and both take what
     the runtime will do on the installed vLLM from patching/runtime.py."""
     from vllm_dualgpu import planner as P
-    from vllm_dualgpu.envs import allow_long_max_model_len
+    from vllm_dualgpu.envs import allow_long_max_model_len, objective
     from vllm_dualgpu.patching.runtime import runtime_assumptions
 
     spec = dict(args.speculative_config) if args.speculative_config else None
@@ -330,7 +333,7 @@ def request_from_args(args, model, gpus):
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         model_dtype=model.dtype if args.dtype == "auto" else args.dtype,
         gpu_order=args.gpu_order,
-        objective=args.objective,
+        objective=args.objective or objective(),
         enable_prefix_caching=args.enable_prefix_caching is not False,
         mamba_cache_mode=args.mamba_cache_mode,
         mamba_cache_dtype=args.mamba_cache_dtype,
@@ -482,6 +485,9 @@ def run(args) -> int:
     for n in notes:
         print(f"Note: {n}")
     print(p.table(), end="")
+    trade = p.trade_line()  # the pool objective's split, when the speed rule chose another
+    if trade:
+        print(trade)
     if ranks is not None:
         print(_tp_lines(stages, ranks))
     if stock is not None:
