@@ -19,7 +19,7 @@ from vllm_dualgpu.cli.inputs import REFERENCE_PLACEHOLDER
 from vllm_dualgpu.cli.inputs import UsageError as _Fail
 from vllm_dualgpu.cli.inputs import read_config as _read_config
 from vllm_dualgpu.cli.inputs import with_default_reserves as _with_default_reserves
-from vllm_dualgpu.planner.objective import DEFAULT_OBJECTIVE, OBJECTIVES
+from vllm_dualgpu.planner.objective import DEFAULT_OBJECTIVE, OBJECTIVES, rule
 
 _EPILOG = """\
 --gpus syntax: comma-separated NAME[:TOTAL[:FREE]][:key=value...], in CUDA index order.
@@ -201,9 +201,10 @@ def _serve_command(model_arg: str, p, args) -> str:
     env = []
     if "layer_partition" in p.overrides:
         env.append(f"VLLM_PP_LAYER_PARTITION={p.overrides['layer_partition']}")
-    chosen_by = p.request.objective  # --objective, else $VLLM_DUALGPU_OBJECTIVE, else the default
-    if chosen_by != DEFAULT_OBJECTIVE:
-        env.append(f"VLLM_DUALGPU_OBJECTIVE={chosen_by}")
+    # The rule that chose the split: the pool rule (asked for, or taken for --max-model-len auto
+    # or a card without a known bandwidth) would not choose it again from the printed length.
+    if not p.passthrough and p.objective != rule(DEFAULT_OBJECTIVE, False):
+        env.append(f"VLLM_DUALGPU_OBJECTIVE={p.objective}")
     parts = env + ["vllm serve", q(model_arg)]
     if not p.passthrough:
         parts.append(f"--pipeline-parallel-size {len(p.partition)}")
