@@ -475,7 +475,7 @@ def run(args) -> int:
     ranks = _tp_ranks(stages, p) if stages is not None else None
     if args.json:
         out = {"source": source, "plan": p.to_dict(), "stock": stock.to_dict() if stock else None,
-               "command": command, "notes": notes}
+               "command": command, "notes": notes, "trade_line": p.trade_line()}
         if ranks is not None:
             out["tp"] = {"size": stages.tp, "ranks": ranks}
             out["plan"]["cuda_visible_devices"] = ",".join(str(r["gpu"]) for r in ranks)  # every card, rank order
