@@ -772,29 +772,43 @@ def _fit_once(
     if target is not None:
         feasible = [c for c in fitting if c.max_ctx >= target]
         if not feasible:
+            # the plan at the largest length that fits: the split the objective takes at that length
+            # (the serve line printed with it plans it again)
+            at = [c for c in fitting if min(c.max_ctx, cap) >= largest]
+            short, rule_, held = _choose(ctx, at, largest, request.objective, False, used, notes, best)
             dt = decode_tokens if request.decode_context_tokens is not None else min(decode_tokens, largest)
-            at_largest = _make_plan(ctx, best, largest, dt, overrides, notes, len(cands), auto_fit=False)
+            at_largest = _make_plan(ctx, short, largest, dt, overrides, notes, len(cands), auto_fit=False,
+                                    rule_=rule_, held=held)
             return Fit(at_largest, False, target, largest)
     else:
         feasible = fitting
-    rule_, held = rule(request.objective, auto_fit), 1
-    if rule_ == "speed" and any(c.decode_ms is None for c in feasible):
-        rule_ = "pool"
-        unknown = ", ".join(f"GPU {g.index} ({g.name})" for g in used if not g.bandwidth_gbps)
-        notes.append(f"no memory bandwidth known for {unknown}: the split is chosen for the largest KV pool, "
-                     "not the fastest predicted decode (plan takes a card's bandwidth as --gpus 'NAME:bw=GB/s')")
-    seqs_blocks = 0
-    if rule_ == "speed":
-        # a pool for --max-num-seqs requests of the full length at once, where a split holds one
-        seqs_blocks = ctx.max_num_seqs * ctx.kv.blocks_per_request(target) + 1
-        held = ctx.max_num_seqs if any(c.num_blocks >= seqs_blocks for c in feasible) else 1
-    chosen = select(feasible, rule_, seqs_blocks)
+    chosen, rule_, held = _choose(ctx, feasible, target, request.objective, auto_fit, used, notes)
     final_len = target if target is not None else min(chosen.max_ctx, cap)
     if auto_fit and request.decode_context_tokens is None:
         decode_tokens = final_len  # predict decode at the context it fitted, not the model's maximum
     chosen_plan = _make_plan(ctx, chosen, final_len, decode_tokens, overrides, notes, len(cands), auto_fit,
                              rule_=rule_, held=held)
     return Fit(chosen_plan, True, target, largest)
+
+
+def _choose(ctx: _Context, cands: list[_Candidate], length: int | None, objective: str, auto_fit: bool,
+            used: list[GpuFacts], notes: list[str], pool_choice: _Candidate | None = None):
+    """(the candidate the objective takes among ``cands``, the rule it applied, how many requests
+    of ``length`` its pool was required to hold). ``pool_choice``: the pool rule's answer when the
+    caller has it (the longest context's split). Notes a fall-back to the pool rule."""
+    rule_ = rule(objective, auto_fit)
+    if rule_ == "speed" and any(c.decode_ms is None for c in cands):
+        rule_ = "pool"
+        unknown = ", ".join(f"GPU {g.index} ({g.name})" for g in used if not g.bandwidth_gbps)
+        notes.append(f"no memory bandwidth known for {unknown}: the split is chosen for the largest KV pool, "
+                     "not the fastest predicted decode (plan takes a card's bandwidth as --gpus 'NAME:bw=GB/s')")
+    if rule_ == "pool":
+        return (pool_choice or select(cands, rule_, 0)), rule_, 1
+    assert length is not None  # auto_fit is planned by the pool rule
+    # a pool for --max-num-seqs requests of the full length at once, where a split holds one
+    seqs_blocks = ctx.max_num_seqs * ctx.kv.blocks_per_request(length) + 1
+    held = ctx.max_num_seqs if any(c.num_blocks >= seqs_blocks for c in cands) else 1
+    return select(cands, rule_, seqs_blocks), rule_, held
 
 
 def check_stock(model: ModelSpec, gpus: list[GpuFacts], request: PlanRequest | None = None) -> Plan:
