@@ -194,17 +194,16 @@ def _gpus_as_given(args, have_model: bool):
     return reference_pair(), notes
 
 
-def _serve_command(model_arg: str, p, args) -> str:
+def _serve_command(model_arg: str, p, args, objective_env: str | None = None) -> str:
     """The ``vllm serve`` line that serves this plan: every argument given to ``plan`` that
-    changes it, in vLLM's spelling (``plan`` takes the same line back and plans the same)."""
+    changes it, in vLLM's spelling (``plan`` takes the same line back and plans the same).
+    ``objective_env``: the ``VLLM_DUALGPU_OBJECTIVE`` it needs (:func:`_objective_env`)."""
     q = shlex.quote
     env = []
     if "layer_partition" in p.overrides:
         env.append(f"VLLM_PP_LAYER_PARTITION={p.overrides['layer_partition']}")
-    # The rule that chose the split: the pool rule (asked for, or taken for --max-model-len auto
-    # or a card without a known bandwidth) would not choose it again from the printed length.
-    if not p.passthrough and p.objective != rule(DEFAULT_OBJECTIVE, False):
-        env.append(f"VLLM_DUALGPU_OBJECTIVE={p.objective}")
+    if objective_env:
+        env.append(f"VLLM_DUALGPU_OBJECTIVE={objective_env}")
     parts = env + ["vllm serve", q(model_arg)]
     if not p.passthrough:
         parts.append(f"--pipeline-parallel-size {len(p.partition)}")
@@ -243,6 +242,23 @@ def _serve_command(model_arg: str, p, args) -> str:
     if args.language_model_only:
         parts.append("--language-model-only")
     return " ".join(parts + _kept_flags(args))
+
+
+def _objective_env(p, model, gpus, req) -> str | None:
+    """The ``VLLM_DUALGPU_OBJECTIVE`` the serve line needs to be planned as ``p`` was: "pool"
+    where the pool rule chose the split and the default would not choose it again (asked for;
+    a card with no known bandwidth here, which the executor may read through NVML;
+    ``--max-model-len auto``, whose printed length the default may plan on another split)."""
+    from dataclasses import replace
+
+    from vllm_dualgpu import planner as P
+
+    if p.passthrough or p.objective == rule(DEFAULT_OBJECTIVE, False):
+        return None
+    if req.objective == p.objective or p.predicted_decode_ms is None:
+        return p.objective
+    again = P.fit(model, gpus, replace(req, max_model_len=p.max_model_len)).plan
+    return None if (again.order, again.partition) == (p.order, p.partition) else p.objective
 
 
 def _kept_flags(args) -> list[str]:
@@ -453,7 +469,7 @@ def run(args) -> int:
         _print_error(e, args.json)
         return 2 if isinstance(e, P.BadRequest) else 1
     if not f.fits:
-        command = _serve_command(model_arg, f.plan, args)
+        command = _serve_command(model_arg, f.plan, args, _objective_env(f.plan, model, gpus, req))
         _print_error(f.error, args.json, command=command)
         if not args.json:
             print(f"\nThe plan at --max-model-len {f.plan.max_model_len:,}:\n", file=sys.stderr)
@@ -471,7 +487,7 @@ def run(args) -> int:
             stock = P.stock_estimate(model, gpus, req, args.gpu_memory_utilization)
         except P.PlanError:
             stock = None
-    command = _serve_command(model_arg, p, args)
+    command = _serve_command(model_arg, p, args, _objective_env(p, model, gpus, req))
     ranks = _tp_ranks(stages, p) if stages is not None else None
     if args.json:
         out = {"source": source, "plan": p.to_dict(), "stock": stock.to_dict() if stock else None,
