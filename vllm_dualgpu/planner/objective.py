@@ -5,8 +5,8 @@
 fastest predicted decode step; splits within :data:`SPEED_TOLERANCE` of the fastest count as
 equally fast and the one with the largest KV pool wins among them. ``pool``: the largest KV
 pool; among the splits within :data:`POOL_TOLERANCE` of it, the fastest predicted decode step.
-``auto`` is ``speed`` (the name of earlier releases). ``--max-model-len auto`` asks for the
-longest context, so it is planned by ``pool`` whatever the objective.
+``auto`` is ``speed`` (as it was before; kept for existing settings). ``--max-model-len auto``
+asks for the longest context, so it is planned by ``pool`` whatever the objective.
 
 Candidates are the search's (planner/search.py): anything with ``num_blocks``, ``decode_ms``
 (None where a card's bandwidth is unknown), ``order`` and ``partition``.
