@@ -10,10 +10,19 @@ RESERVE = "VLLM_DUALGPU_RESERVE"
 # 1 GiB: at 256 MiB an H200 pair ran out of memory in FlashInfer autotune's warm-up runs
 # (docs/benchmarks.md); llama.cpp's --fit keeps the same margin by default.
 DEFAULT_RESERVE_BYTES = 1024**3
-# What the split search maximises: pool (default), speed or auto (see docs/planner.md).
+# Which split the search takes: speed (default), pool or auto (= speed); planner/objective.py.
 OBJECTIVE = "VLLM_DUALGPU_OBJECTIVE"
 # Where the executor writes the plan it applied, as JSON (optional).
 PLAN_FILE = "VLLM_DUALGPU_PLAN_FILE"
+
+
+def objective() -> str:
+    """``VLLM_DUALGPU_OBJECTIVE``, else the planner's default objective: the executor and
+    ``vllm-dualgpu plan`` both ask the planner with this value (an unknown one is the planner's
+    BadRequest)."""
+    from vllm_dualgpu.planner.objective import DEFAULT_OBJECTIVE
+
+    return os.environ.get(OBJECTIVE, "").strip().lower() or DEFAULT_OBJECTIVE
 
 
 def allow_long_max_model_len() -> bool:

@@ -5,13 +5,19 @@ For one `vllm serve` command, the executor builds its PlanRequest from vLLM's re
 both must be the same request and give the same split on the same cards. Issue found this way:
 the executor planned with the drafter sharing the target's embedding while `plan` did not, so
 an MTP command printed one split and ran another.
+
+The objective is part of the question: with zero flags both take the default ("speed") from the
+same environment variable (vllm_dualgpu.envs.objective), and on the bundled reference with the
+reference launchers' flags both choose the same split, pool and pool-objective alternative.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
+from pathlib import Path
 
 import pytest
 
@@ -19,12 +25,12 @@ from vllm_dualgpu.cli import build_parser
 from vllm_dualgpu.cli import plan as cli_plan
 from vllm_dualgpu.engine import planning
 from vllm_dualgpu.patching.runtime import runtime_assumptions
-from vllm_dualgpu.planner import ModelSpec, parse_gpus, plan
+from vllm_dualgpu.planner import ModelSpec, PlanError, fit, parse_gpus, plan, reference_config
 
 GPUS = "RTX 4070 Ti SUPER:16GiB,RTX 5090:32GiB"
-# Fields the executor takes from vLLM's resolved config and `plan` from its arguments; the
-# objective comes from the same environment variable on both sides.
-SAME = ("max_model_len", "kv_cache_dtype", "block_size", "max_num_seqs", "max_num_batched_tokens",
+# Fields the executor takes from vLLM's resolved config and `plan` from its arguments, and the
+# objective both read from the same environment variable.
+SAME = ("objective", "max_model_len", "kv_cache_dtype", "block_size", "max_num_seqs", "max_num_batched_tokens",
         "pp_size", "layer_partition", "num_gpu_blocks_override", "kv_cache_memory_bytes",
         "model_dtype", "enable_prefix_caching", "mamba_cache_dtype", "mamba_ssm_cache_dtype",
         "enforce_eager", "vision_on_every_rank", "drafter_shares_embedding", "kv_grouping")
@@ -87,8 +93,22 @@ def assert_same(cli, executor):
         assert cs.get(key) == es.get(key), key
     gpus = parse_gpus(GPUS)
     a, b = plan(cli_model, gpus, cli_req), plan(ex_model, gpus, ex_req)
-    assert (a.order, a.partition, a.num_blocks) == (b.order, b.partition, b.num_blocks)
+    assert (a.order, a.partition, a.num_blocks, a.pool_tokens) == (b.order, b.partition, b.num_blocks, b.pool_tokens)
+    assert a.objective == b.objective
+    alt = [(p.pool_alternative.order, p.pool_alternative.partition, p.pool_alternative.num_blocks,
+            p.pool_alternative.pool_tokens) if p.pool_alternative else None for p in (a, b)]
+    assert alt[0] == alt[1]
+    # The predictions agree to 1e-6: the DFlash drafter's config as vLLM gives it to the executor
+    # lacks its model_type "qwen3", so the executor counts no q/k norms in it (5 x 2 x 128 x 2 bytes).
+    assert a.predicted_decode_ms == pytest.approx(b.predicted_decode_ms, rel=1e-6)
     return a
+
+
+@pytest.fixture(autouse=True)
+def _zero_flags(monkeypatch):
+    """No objective or split from the environment: the zero-flag question on both sides."""
+    for var in ("VLLM_DUALGPU_OBJECTIVE", "VLLM_PP_LAYER_PARTITION"):
+        monkeypatch.delenv(var, raising=False)
 
 
 @pytest.fixture
@@ -155,3 +175,58 @@ def test_mtp_command(qwen3_5_hybrid_config, tmp_path):
                        "--speculative-config '{\"method\": \"mtp\", \"num_speculative_tokens\": 3}'")
     result = assert_same(cli_request(d, argv), executor_request(cfg))
     assert result.drafter is not None
+
+
+DRAFTER = Path(__file__).resolve().parents[1] / "fixtures" / "dflash2_drafter_standin.json"
+# The reference launchers' serving flags (docs/headline-analysis.md), drafter aside.
+LAUNCHER = ["--max-model-len", "262144", "--kv-cache-dtype", "fp8", "--enable-prefix-caching",
+            "--max-num-seqs", "2", "--max-num-batched-tokens", "1024"]
+
+
+@pytest.fixture(scope="module")
+def reference_dirs(tmp_path_factory):
+    """The bundled reference (block-FP8, vision) as a checkpoint folder, and the DFlash2 stand-in drafter."""
+    d = tmp_path_factory.mktemp("reference")
+    cfg = {k: v for k, v in reference_config().items() if k != "_vllm_dualgpu"}
+    (d / "target").mkdir()
+    (d / "drafter").mkdir()
+    (d / "target" / "config.json").write_text(json.dumps(cfg))
+    (d / "drafter" / "config.json").write_text(DRAFTER.read_text())
+    return d / "target", d / "drafter"
+
+
+@pytest.mark.parametrize("drafter", ["dflash", "mtp"])
+def test_reference_launcher_same_split_under_the_default_objective(engine_config, reference_dirs, drafter):
+    """The bundled reference on the reference pair with the launchers' flags and zero flags of
+    the plugin's: `plan` and the executor ask with the default objective and choose the same
+    split, pool and pool-objective alternative; the split is the fastest predicted among those
+    that hold 262,144 tokens."""
+    import vllm.platforms
+    from vllm.platforms.cpu import CpuPlatform
+
+    vllm.platforms._current_platform = CpuPlatform()
+    target, draft = reference_dirs
+    spec = ({"method": "dflash", "model": str(draft), "num_speculative_tokens": 7} if drafter == "dflash"
+            else {"method": "mtp", "num_speculative_tokens": 3})
+    argv = LAUNCHER + ["--speculative-config", json.dumps(spec)]
+    cfg = engine_config(model=str(target), load_format="dummy", skip_tokenizer_init=True,
+                        pipeline_parallel_size=2, distributed_executor_backend="dualgpu",
+                        **engine_kwargs(argv + CPU_PLATFORM))
+    cli, ex = cli_request(target, argv), executor_request(cfg)
+    assert cli[1].objective == ex[1].objective == "speed"
+    result = assert_same(cli, ex)
+    assert result.objective == "speed" and result.max_model_len == 262144
+    assert result.drafter is not None and result.drafter.num_speculative_tokens == spec["num_speculative_tokens"]
+    # the rule, checked against every split forced on the same question
+    model, request = ex
+    gpus = parse_gpus(GPUS)
+    holding = []
+    for n in range(1, model.num_layers):
+        try:
+            f = fit(model, gpus, dataclasses.replace(request, layer_partition=[n, model.num_layers - n],
+                                                     gpu_order=result.order))
+        except PlanError:  # not even one token fits on this split
+            continue
+        if f.fits:
+            holding.append(f.plan.predicted_decode_ms)
+    assert result.predicted_decode_ms <= min(holding) * 1.005

@@ -55,3 +55,17 @@ def test_partition_errors(text, msg):
 def test_partition_ok():
     assert envs.parse_partition("12,28", 40, 2) == [12, 28]
     assert envs.parse_partition(None, 40, 2) is None
+
+
+@pytest.mark.parametrize("value,expected", [(None, "speed"), ("", "speed"), ("pool", "pool"), (" Pool ", "pool"),
+                                            ("auto", "auto")])
+def test_objective_unset_is_speed(monkeypatch, value, expected):
+    """The executor and `plan` both ask the planner with this value (unset: the new default)."""
+    from vllm_dualgpu.planner.objective import OBJECTIVE_ENV
+
+    assert envs.OBJECTIVE == OBJECTIVE_ENV == "VLLM_DUALGPU_OBJECTIVE"
+    if value is None:
+        monkeypatch.delenv(envs.OBJECTIVE, raising=False)
+    else:
+        monkeypatch.setenv(envs.OBJECTIVE, value)
+    assert envs.objective() == expected

@@ -71,7 +71,8 @@ def test_serve_command_keeps_quantization(capsys, bf16_model):
     argv = (bf16_model, "--gpus", PAIR, "-q", "fp8", "--kv-cache-dtype", "fp8", "--max-model-len", "auto")
     rc, out, err = run_cli(capsys, *argv)
     assert rc == 0, err
-    line = next(x for x in out.splitlines() if x.strip().startswith("vllm serve"))
+    # (after VLLM_DUALGPU_OBJECTIVE=pool: --max-model-len auto is planned for the largest pool)
+    line = next(x for x in out.splitlines() if "vllm serve " in x)
     assert "--quantization fp8" in line
     rc, out, _ = run_cli(capsys, *argv, "--json")
     assert "--quantization fp8" in json.loads(out)["command"]

@@ -52,7 +52,7 @@ ARGSETS = [
     ("fp8", ["--max-model-len", "65536", "--no-enable-prefix-caching", "--mamba-cache-dtype", "float32"]),
     ("fp8", ["--kv-cache-dtype", "fp8", "--layer-partition", "20,44", "--max-model-len", "100000"]),
     ("fp8", ["--kv-cache-dtype", "fp8", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 3}',
-             "--objective", "speed", "--max-model-len", "131072"]),
+             "--objective", "pool", "--max-model-len", "131072"]),
     ("fp8", ["--kv-cache-dtype", "fp8", "--num-gpu-blocks-override", "100", "--max-model-len", "32768"]),
 ]
 

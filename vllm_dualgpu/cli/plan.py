@@ -19,6 +19,7 @@ from vllm_dualgpu.cli.inputs import REFERENCE_PLACEHOLDER
 from vllm_dualgpu.cli.inputs import UsageError as _Fail
 from vllm_dualgpu.cli.inputs import read_config as _read_config
 from vllm_dualgpu.cli.inputs import with_default_reserves as _with_default_reserves
+from vllm_dualgpu.planner.objective import DEFAULT_OBJECTIVE, OBJECTIVES, rule
 
 _EPILOG = """\
 --gpus syntax: comma-separated NAME[:TOTAL[:FREE]][:key=value...], in CUDA index order.
@@ -136,10 +137,11 @@ def add_parser(sub) -> None:
     p.add_argument("--gpu-order", type=_int_list, help="CUDA indices, rank 0 first (default: searched)")
     p.add_argument(
         "--objective",
-        default=os.environ.get("VLLM_DUALGPU_OBJECTIVE", "pool"),
-        choices=("pool", "speed", "auto"),
-        help="pool (default, $VLLM_DUALGPU_OBJECTIVE): largest KV pool, the faster split among "
-        "those within 1%% of it; speed/auto: fastest split that holds --max-model-len",
+        default=None,
+        choices=OBJECTIVES,
+        help="speed (default, $VLLM_DUALGPU_OBJECTIVE): the fastest predicted decode among the splits "
+        "that hold --max-model-len (and --max-num-seqs such requests, where one does), then the largest "
+        "pool; pool: the largest KV pool, the faster split among those within 1%% of it; auto: speed",
     )
     p.add_argument("--drafter-shares-embedding", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--vision-on-every-rank", action="store_true", help=argparse.SUPPRESS)
@@ -192,15 +194,16 @@ def _gpus_as_given(args, have_model: bool):
     return reference_pair(), notes
 
 
-def _serve_command(model_arg: str, p, args) -> str:
+def _serve_command(model_arg: str, p, args, objective_env: str | None = None) -> str:
     """The ``vllm serve`` line that serves this plan: every argument given to ``plan`` that
-    changes it, in vLLM's spelling (``plan`` takes the same line back and plans the same)."""
+    changes it, in vLLM's spelling (``plan`` takes the same line back and plans the same).
+    ``objective_env``: the ``VLLM_DUALGPU_OBJECTIVE`` it needs (:func:`_objective_env`)."""
     q = shlex.quote
     env = []
     if "layer_partition" in p.overrides:
         env.append(f"VLLM_PP_LAYER_PARTITION={p.overrides['layer_partition']}")
-    if args.objective != "pool":
-        env.append(f"VLLM_DUALGPU_OBJECTIVE={args.objective}")
+    if objective_env:
+        env.append(f"VLLM_DUALGPU_OBJECTIVE={objective_env}")
     parts = env + ["vllm serve", q(model_arg)]
     if not p.passthrough:
         parts.append(f"--pipeline-parallel-size {len(p.partition)}")
@@ -239,6 +242,23 @@ def _serve_command(model_arg: str, p, args) -> str:
     if args.language_model_only:
         parts.append("--language-model-only")
     return " ".join(parts + _kept_flags(args))
+
+
+def _objective_env(p, model, gpus, req) -> str | None:
+    """The ``VLLM_DUALGPU_OBJECTIVE`` the serve line needs to be planned as ``p`` was: "pool"
+    where the pool rule chose the split and the default would not choose it again (asked for;
+    a card with no known bandwidth here, which the executor may read through NVML;
+    ``--max-model-len auto``, whose printed length the default may plan on another split)."""
+    from dataclasses import replace
+
+    from vllm_dualgpu import planner as P
+
+    if p.passthrough or p.objective == rule(DEFAULT_OBJECTIVE, False):
+        return None
+    if req.objective == p.objective or p.predicted_decode_ms is None:
+        return p.objective
+    again = P.fit(model, gpus, replace(req, max_model_len=p.max_model_len)).plan
+    return None if (again.order, again.partition) == (p.order, p.partition) else p.objective
 
 
 def _kept_flags(args) -> list[str]:
@@ -300,7 +320,7 @@ def request_from_args(args, model, gpus):
     from the VllmConfig of the same command (engine/planning.plan_request), and both take what
     the runtime will do on the installed vLLM from patching/runtime.py."""
     from vllm_dualgpu import planner as P
-    from vllm_dualgpu.envs import allow_long_max_model_len
+    from vllm_dualgpu.envs import allow_long_max_model_len, objective
     from vllm_dualgpu.patching.runtime import runtime_assumptions
 
     spec = dict(args.speculative_config) if args.speculative_config else None
@@ -330,7 +350,7 @@ def request_from_args(args, model, gpus):
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         model_dtype=model.dtype if args.dtype == "auto" else args.dtype,
         gpu_order=args.gpu_order,
-        objective=args.objective,
+        objective=args.objective or objective(),
         enable_prefix_caching=args.enable_prefix_caching is not False,
         mamba_cache_mode=args.mamba_cache_mode,
         mamba_cache_dtype=args.mamba_cache_dtype,
@@ -449,7 +469,7 @@ def run(args) -> int:
         _print_error(e, args.json)
         return 2 if isinstance(e, P.BadRequest) else 1
     if not f.fits:
-        command = _serve_command(model_arg, f.plan, args)
+        command = _serve_command(model_arg, f.plan, args, _objective_env(f.plan, model, gpus, req))
         _print_error(f.error, args.json, command=command)
         if not args.json:
             print(f"\nThe plan at --max-model-len {f.plan.max_model_len:,}:\n", file=sys.stderr)
@@ -467,11 +487,11 @@ def run(args) -> int:
             stock = P.stock_estimate(model, gpus, req, args.gpu_memory_utilization)
         except P.PlanError:
             stock = None
-    command = _serve_command(model_arg, p, args)
+    command = _serve_command(model_arg, p, args, _objective_env(p, model, gpus, req))
     ranks = _tp_ranks(stages, p) if stages is not None else None
     if args.json:
         out = {"source": source, "plan": p.to_dict(), "stock": stock.to_dict() if stock else None,
-               "command": command, "notes": notes}
+               "command": command, "notes": notes, "trade_line": p.trade_line()}
         if ranks is not None:
             out["tp"] = {"size": stages.tp, "ranks": ranks}
             out["plan"]["cuda_visible_devices"] = ",".join(str(r["gpu"]) for r in ranks)  # every card, rank order
@@ -482,6 +502,9 @@ def run(args) -> int:
     for n in notes:
         print(f"Note: {n}")
     print(p.table(), end="")
+    trade = p.trade_line()  # the pool objective's split, when the speed rule chose another
+    if trade:
+        print(trade)
     if ranks is not None:
         print(_tp_lines(stages, ranks))
     if stock is not None:

@@ -68,7 +68,7 @@ def plan_request(vllm_config, user_partition: list[int] | None):
         num_gpu_blocks_override=cc.num_gpu_blocks_override,
         kv_cache_memory_bytes=cc.kv_cache_memory_bytes,
         model_dtype=str(mc.dtype).removeprefix("torch."),
-        objective=os.environ.get(envs.OBJECTIVE, "pool"),
+        objective=envs.objective(),
         enable_prefix_caching=bool(cc.enable_prefix_caching),
         mamba_cache_mode=getattr(cc, "mamba_cache_mode", None),
         mamba_cache_dtype=str(getattr(cc, "mamba_cache_dtype", "auto")),
@@ -164,6 +164,9 @@ def apply_plan(vllm_config) -> AppliedPlan:
         f"{result.num_blocks:,}",
         f"{result.max_context_tokens:,}",
     )
+    trade = result.trade_line()  # the pool objective's split, when the speed rule chose another
+    if trade:
+        logger.info("%s", trade)
     _write_plan_file(result, ranked, [card.index for _, _, card in placed])
     return AppliedPlan(result, ranked, tp)
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 
 from vllm_dualgpu.planner.errors import PlanError
 from vllm_dualgpu.planner.gpus import GIB, GpuFacts
-from vllm_dualgpu.planner.search import POOL_TOLERANCE
+from vllm_dualgpu.planner.objective import POOL_TOLERANCE
 
 IFNAME_VARS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
 NODE_ENV_VARS = (*IFNAME_VARS, "CUDA_DEVICE_ORDER")

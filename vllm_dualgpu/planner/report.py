@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from vllm_dualgpu.planner.objective import SPEED_TOLERANCE
+
 GIB = 1 << 30
 MIB = 1 << 20
 
@@ -134,11 +136,13 @@ def plan_table(p) -> str:
             f"Predicted decode: {ms:.1f} ms per step at {p.decode_context_tokens:,} tokens of context "
             f"({1000 / ms:.0f} steps/s; bytes read / memory bandwidth, a lower bound)"
         )
-    why = {
-        "pool": "the largest KV pool",
-        "auto": "the fastest decode among splits that hold --max-model-len, then the largest pool",
-        "speed": "the fastest decode among splits that hold --max-model-len, then the largest pool",
-    }[p.objective]
+    if p.objective == "speed":
+        held = (f"{p.max_num_seqs} requests of {p.max_model_len:,} tokens at once (--max-num-seqs)"
+                if p.held_requests > 1 else f"--max-model-len {p.max_model_len:,}")
+        why = (f"the fastest predicted decode among the splits that hold {held} (within "
+               f"{SPEED_TOLERANCE:.1%}), then the largest pool")
+    else:
+        why = "the largest KV pool"
     if not p.passthrough and "layer_partition" not in p.overrides:
         lines.append(f"Chosen for {why}.")
     if p.overrides:

@@ -6,11 +6,11 @@ For every candidate (GPU order, layer partition) each rank's KV budget is
         - weights (its decoder layers) - runtime reserve (activations, sampler, CUDA graphs)
 
 and it holds ``budget // bytes_per_block`` blocks, paying only its own layers' pages per block.
-vLLM gives every rank the minimum block count, so that minimum is the shared pool. Among the
-splits whose pool holds one request of the requested ``--max-model-len``, the default objective
-``"pool"`` takes the largest pool and, among splits within 1% of it, the fastest predicted
-decode step (more layers on the card with more memory bandwidth); ``"auto"``/``"speed"`` take
-the fastest predicted decode step and break ties by the larger pool. Compositions
+vLLM gives every rank the minimum block count, so that minimum is the shared pool. Which of the
+splits that hold the requested ``--max-model-len`` is taken is the objective's
+(planner/objective.py): by default (``"speed"``) the fastest predicted decode step among those
+whose pool also holds ``--max-num-seqs`` such requests (when any does), then the largest pool;
+``"pool"`` the largest pool, then the fastest step. Compositions
 are enumerated exhaustively with prefix sums (fine for 2-3 ranks up to ~128 layers).
 """
 
@@ -26,11 +26,9 @@ from vllm_dualgpu.planner.gpus import GpuFacts
 from vllm_dualgpu.planner.kv import DEFAULT_KERNEL_BLOCK_ALIGNMENT, KVLayout
 from vllm_dualgpu.planner.memory import MemoryModel, default_batch_limits, runtime_reserve
 from vllm_dualgpu.planner.model import DrafterSpec, ModelSpec
+from vllm_dualgpu.planner.objective import DEFAULT_OBJECTIVE, OBJECTIVES, PoolAlternative, rule, select, trade_line
 
 GIB = 1 << 30
-_OBJECTIVES = ("auto", "speed", "pool")
-# "pool": splits within this share of the largest pool count as equal; the faster one wins.
-POOL_TOLERANCE = 0.99
 
 
 @dataclass(frozen=True)
@@ -57,7 +55,8 @@ class PlanRequest:
     kv_cache_memory_bytes: int | None = None
     model_dtype: str = "bfloat16"
     gpu_order: list[int] | None = None
-    objective: str = "pool"
+    objective: str = DEFAULT_OBJECTIVE
+    """"speed" (default; "auto" is the same), "pool": see planner/objective.py."""
     enable_prefix_caching: bool = True
     mamba_cache_mode: str | None = None
     mamba_cache_dtype: str = "auto"
@@ -154,12 +153,18 @@ class Plan:
     overrides: dict = field(default_factory=dict)
     passthrough: bool = False
     objective: str = "pool"
+    """The rule that chose the split: "speed" or "pool" (planner/objective.py)."""
     notes: list[str] = field(default_factory=list)
     candidates: int = 0
     drafter: DrafterSpec | None = None
     max_num_batched_tokens: int = 0
     max_num_seqs: int = 0
     decode_context_tokens: int = 0
+    held_requests: int = 1
+    """How many requests of ``max_model_len`` the "speed" rule required the pool to hold at once:
+    ``max_num_seqs`` where some split holds them, else 1."""
+    pool_alternative: PoolAlternative | None = None
+    """What the "pool" objective gives instead, when the "speed" rule chose another split."""
 
     @property
     def predicted_decode_ms(self) -> float | None:
@@ -191,6 +196,11 @@ class Plan:
             f"{self.max_context_tokens:,}; overrides honoured: {ov}"
         )
 
+    def trade_line(self) -> str | None:
+        """One line for the log when "speed" chose another split than "pool" would: both, and
+        how to get the other (None when they agree)."""
+        return trade_line(self)
+
     def to_dict(self) -> dict:
         d = {
             "model": self.model.to_dict(),
@@ -214,6 +224,8 @@ class Plan:
             "predicted_decode_ms": None if self.predicted_decode_ms is None else round(self.predicted_decode_ms, 3),
             "kv_cache": self.kv.describe(),
             "drafter": self.drafter.to_dict() if self.drafter else None,
+            "held_requests": self.held_requests,
+            "pool_alternative": self.pool_alternative.to_dict() if self.pool_alternative else None,
             "overrides": dict(self.overrides),
             "notes": list(self.notes),
             "candidates": self.candidates,
@@ -544,20 +556,6 @@ def _rank_plans(ctx: _Context, c: _Candidate, decode_tokens: int) -> list[RankPl
     return out
 
 
-def _select(cands: list[_Candidate], objective: str, auto_fit: bool) -> _Candidate:
-    def blocks_key(c: _Candidate):
-        return (-c.num_blocks, -c.partition[-1], c.partition)
-
-    if objective == "pool" or auto_fit or any(c.decode_ms is None for c in cands):
-        best_blocks = max(c.num_blocks for c in cands)
-        tied = [c for c in cands if c.num_blocks >= best_blocks * POOL_TOLERANCE]
-        return min(tied, key=lambda c: (c.decode_ms or 0.0, -c.partition[-1], c.partition))
-    fastest = min(c.decode_ms for c in cands)  # type: ignore[type-var]
-    tol = fastest * 1e-6 + 1e-9
-    near = [c for c in cands if c.decode_ms <= fastest + tol]  # type: ignore[operator]
-    return min(near, key=blocks_key)
-
-
 # --------------------------------------------------------------------------------------------
 # public entry points
 
@@ -626,6 +624,23 @@ def fit(
     model: ModelSpec, gpus: list[GpuFacts], request: PlanRequest | None = None, *,
     kv_layout: KVLayout | None = None, _check_stock: bool = False
 ) -> Fit:
+    """See :func:`_fit_grouped`. A plan the "speed" rule chose carries what the "pool" objective
+    gives for the same request (``Plan.pool_alternative``, planned as ``vllm-dualgpu plan`` plans
+    it, without ``kv_layout``) where that is another split."""
+    request = request or PlanRequest()
+    f = _fit_grouped(model, gpus, request, kv_layout=kv_layout, _check_stock=_check_stock)
+    p = f.plan
+    if f.fits and p.objective == "speed" and not p.passthrough and len(p.partition) > 1:
+        alt = _fit_grouped(model, gpus, replace(request, objective="pool"), _check_stock=_check_stock)
+        if alt.fits and (alt.plan.order, alt.plan.partition) != (p.order, p.partition):
+            p.pool_alternative = PoolAlternative.of(alt.plan)
+    return f
+
+
+def _fit_grouped(
+    model: ModelSpec, gpus: list[GpuFacts], request: PlanRequest | None = None, *,
+    kv_layout: KVLayout | None = None, _check_stock: bool = False
+) -> Fit:
     """See :func:`_fit_once`. With ``request.kv_grouping == "dualgpu"`` (and no ``kv_layout``),
     the KV cache is grouped as the package's KV patches group it for the chosen split and each
     rank's KV budget, and the split searched again with that grouping until it keeps it, as
@@ -661,8 +676,8 @@ def _fit_once(
     request = request or PlanRequest()
     if not gpus:
         raise BadRequest("no GPUs to plan for")
-    if request.objective not in _OBJECTIVES:
-        raise BadRequest(f"objective {request.objective!r}: use one of {', '.join(_OBJECTIVES)}")
+    if request.objective not in OBJECTIVES:
+        raise BadRequest(f"objective {request.objective!r}: use one of {', '.join(OBJECTIVES)}")
     if request.pp_size < 1:
         raise BadRequest("pipeline_parallel_size must be >= 1")
     gpus = [g.with_known_defaults() for g in gpus]
@@ -757,17 +772,43 @@ def _fit_once(
     if target is not None:
         feasible = [c for c in fitting if c.max_ctx >= target]
         if not feasible:
+            # the plan at the largest length that fits: the split the objective takes at that length
+            # (the serve line printed with it plans it again)
+            at = [c for c in fitting if min(c.max_ctx, cap) >= largest]
+            short, rule_, held = _choose(ctx, at, largest, request.objective, False, used, notes, best)
             dt = decode_tokens if request.decode_context_tokens is not None else min(decode_tokens, largest)
-            at_largest = _make_plan(ctx, best, largest, dt, overrides, notes, len(cands), auto_fit=False)
+            at_largest = _make_plan(ctx, short, largest, dt, overrides, notes, len(cands), auto_fit=False,
+                                    rule_=rule_, held=held)
             return Fit(at_largest, False, target, largest)
     else:
         feasible = fitting
-    chosen = _select(feasible, request.objective, auto_fit)
+    chosen, rule_, held = _choose(ctx, feasible, target, request.objective, auto_fit, used, notes)
     final_len = target if target is not None else min(chosen.max_ctx, cap)
     if auto_fit and request.decode_context_tokens is None:
         decode_tokens = final_len  # predict decode at the context it fitted, not the model's maximum
-    chosen_plan = _make_plan(ctx, chosen, final_len, decode_tokens, overrides, notes, len(cands), auto_fit)
+    chosen_plan = _make_plan(ctx, chosen, final_len, decode_tokens, overrides, notes, len(cands), auto_fit,
+                             rule_=rule_, held=held)
     return Fit(chosen_plan, True, target, largest)
+
+
+def _choose(ctx: _Context, cands: list[_Candidate], length: int | None, objective: str, auto_fit: bool,
+            used: list[GpuFacts], notes: list[str], pool_choice: _Candidate | None = None):
+    """(the candidate the objective takes among ``cands``, the rule it applied, how many requests
+    of ``length`` its pool was required to hold). ``pool_choice``: the pool rule's answer when the
+    caller has it (the longest context's split). Notes a fall-back to the pool rule."""
+    rule_ = rule(objective, auto_fit)
+    if rule_ == "speed" and any(c.decode_ms is None for c in cands):
+        rule_ = "pool"
+        unknown = ", ".join(f"GPU {g.index} ({g.name})" for g in used if not g.bandwidth_gbps)
+        notes.append(f"no memory bandwidth known for {unknown}: the split is chosen for the largest KV pool, "
+                     "not the fastest predicted decode (plan takes a card's bandwidth as --gpus 'NAME:bw=GB/s')")
+    if rule_ == "pool":
+        return (pool_choice or select(cands, rule_, 0)), rule_, 1
+    assert length is not None  # auto_fit is planned by the pool rule
+    # a pool for --max-num-seqs requests of the full length at once, where a split holds one
+    seqs_blocks = ctx.max_num_seqs * ctx.kv.blocks_per_request(length) + 1
+    held = ctx.max_num_seqs if any(c.num_blocks >= seqs_blocks for c in cands) else 1
+    return select(cands, rule_, seqs_blocks), rule_, held
 
 
 def check_stock(model: ModelSpec, gpus: list[GpuFacts], request: PlanRequest | None = None) -> Plan:
@@ -798,7 +839,8 @@ def fit_stock(model: ModelSpec, gpus: list[GpuFacts], request: PlanRequest | Non
     return f
 
 
-def _make_plan(ctx: _Context, c: _Candidate, max_model_len: int, decode_tokens: int, overrides, notes, n, auto_fit) -> Plan:
+def _make_plan(ctx: _Context, c: _Candidate, max_model_len: int, decode_tokens: int, overrides, notes, n, auto_fit,
+               rule_: str = "pool", held: int = 1) -> Plan:
     model = ctx.model
     ranks = _rank_plans(ctx, c, decode_tokens)
     notes = list(notes) + list(ctx.kv.notes)
@@ -812,7 +854,6 @@ def _make_plan(ctx: _Context, c: _Candidate, max_model_len: int, decode_tokens: 
     if auto_fit:
         notes.append(f"--max-model-len auto: {max_model_len:,} is the largest that fits")
     kv_max = c.max_ctx
-    objective = "pool" if (ctx.request.objective == "pool" or auto_fit) else ctx.request.objective
     return Plan(
         model=model,
         request=ctx.request,
@@ -828,13 +869,14 @@ def _make_plan(ctx: _Context, c: _Candidate, max_model_len: int, decode_tokens: 
         kv=ctx.kv,
         overrides=dict(overrides),
         passthrough=False,
-        objective=objective,
+        objective=rule_,
         notes=notes,
         candidates=n,
         drafter=ctx.drafter,
         max_num_batched_tokens=ctx.max_num_batched_tokens,
         max_num_seqs=ctx.max_num_seqs,
         decode_context_tokens=decode_tokens,
+        held_requests=held,
     )
 
 

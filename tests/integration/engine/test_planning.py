@@ -68,10 +68,64 @@ def big_first_pair(monkeypatch):
     gpus = [VisibleGpu(0, "NVIDIA H200", H200_TOTAL, 32 * GiB, (9, 0), 4800.0, "GPU-a"),
             VisibleGpu(1, "NVIDIA H200", H200_TOTAL, 16 * GiB, (9, 0), 4800.0, "GPU-b")]
     monkeypatch.setattr(apply, "read_visible_gpus", lambda: gpus)
-    for var in ("VLLM_PP_LAYER_PARTITION", envs.RESERVE, "CUDA_VISIBLE_DEVICES", envs.PLAN_FILE):
+    for var in ("VLLM_PP_LAYER_PARTITION", envs.RESERVE, "CUDA_VISIBLE_DEVICES", envs.PLAN_FILE, envs.OBJECTIVE):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     return gpus
+
+
+class Lines(logging.Handler):
+    """The package logger's messages (a handler of its own: vLLM's logging configuration, made
+    when the first config of a process is built, resets its children's handlers)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+    def trade(self) -> list[str]:
+        return [m for m in self.messages if "the pool objective gives" in m]
+
+
+@pytest.fixture
+def lines(make_config):
+    make_config()  # vLLM configures its logging once, clearing its children's handlers: before ours
+    log = logging.getLogger("vllm.dualgpu")
+    handler, level = Lines(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    yield handler
+    log.removeHandler(handler)
+    log.setLevel(level)
+
+
+def test_the_default_objective_logs_what_the_pool_objective_gives(make_config, big_first_pair, monkeypatch, lines):
+    """Issue 26: the big card four times as fast; with zero flags the engine takes the fastest
+    split that holds the context and logs one line with the pool objective's split, which
+    VLLM_DUALGPU_OBJECTIVE=pool then applies; equal cards (the same bytes read on any split)
+    log nothing more."""
+    big, small = big_first_pair
+    monkeypatch.setattr(apply, "read_visible_gpus", lambda: [
+        VisibleGpu(0, big.name, big.total_bytes, big.free_bytes, big.capability, 4800.0, "GPU-a"),
+        VisibleGpu(1, small.name, small.total_bytes, small.free_bytes, small.capability, 1200.0, "GPU-b")])
+    speed = apply.apply_plan(make_config()).plan
+    alt = speed.pool_alternative
+    assert speed.objective == "speed" and alt is not None
+    assert lines.trade() == [speed.trade_line()]
+    assert speed.predicted_decode_ms < alt.predicted_decode_ms and speed.num_blocks < alt.num_blocks
+    lines.messages.clear()
+    monkeypatch.setenv(envs.OBJECTIVE, "pool")
+    pool = apply.apply_plan(make_config()).plan
+    assert (pool.objective, pool.order, pool.partition, pool.num_blocks) == ("pool", alt.order, alt.partition,
+                                                                             alt.num_blocks)
+    assert lines.trade() == [] and any("vllm-dualgpu plan: ranks" in m for m in lines.messages)
+    lines.messages.clear()
+    monkeypatch.delenv(envs.OBJECTIVE)
+    monkeypatch.setattr(apply, "read_visible_gpus", lambda: big_first_pair)
+    same = apply.apply_plan(make_config()).plan
+    assert same.objective == "speed" and same.pool_alternative is None and lines.trade() == []
 
 
 def test_big_card_last_and_split_applied(make_config, big_first_pair):

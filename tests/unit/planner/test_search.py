@@ -93,16 +93,19 @@ def test_faster_card_gets_more_layers_when_the_context_fits(tiny):
     #   2/2: A (2 x 1,180,928 + 2 x 524,288) / 2e12 + B (2 x 1,180,928 + 2 x 524,288 + 524,800) / 5e11
     #        = 0.001705216 + 0.007870464 = 0.00957568 ms
     #   1/3: A 1,705,216 / 2e12 + B 5,640,448 / 5e11 = 0.000852608 + 0.011280896 = 0.012133504 ms
-    p = plan(tiny, pair(2000, 500), req(max_model_len=1024, objective="speed"))
-    assert p.partition == [2, 2] and p.num_blocks == 79
+    # The default objective ("speed") takes the faster 2/2.
+    p = plan(tiny, pair(2000, 500), req(max_model_len=1024))
+    assert p.objective == "speed" and p.partition == [2, 2] and p.num_blocks == 79
     assert p.predicted_decode_ms == pytest.approx(0.00957568)
     assert [r.predicted_decode_ms for r in p.ranks] == pytest.approx([0.001705216, 0.007870464])
-    # ... while the default objective takes the largest pool.
-    assert plan(tiny, pair(2000, 500), req(max_model_len=1024)).partition == [1, 3]
+    assert plan(tiny, pair(2000, 500), req(max_model_len=1024, objective="auto")).partition == [2, 2]
+    # ... while the pool objective takes the largest pool.
+    assert plan(tiny, pair(2000, 500), req(max_model_len=1024, objective="pool")).partition == [1, 3]
     # At 2,048 tokens only 1/3 holds the context, whatever the bandwidths.
     assert plan(tiny, pair(2000, 500), req(max_model_len=2048)).partition == [1, 3]
-    # Equal (or unknown) bandwidths: the largest pool.
+    # Equal bandwidths: every split reads the same bytes per step, the largest pool wins the tie.
     assert plan(tiny, pair(900, 900), req(max_model_len=1024)).partition == [1, 3]
+    # Unknown bandwidths: no prediction, the pool rule (test_objective.py: and a note).
     assert plan(tiny, pair(), req(max_model_len=1024)).partition == [1, 3]
 
 
@@ -308,7 +311,7 @@ def test_search_is_fast_for_128_layers_and_3_ranks():
 def test_to_json_and_table(tiny):
     import json
 
-    p = plan(tiny, pair(2000, 500), req(max_model_len=1024, objective="speed"))
+    p = plan(tiny, pair(2000, 500), req(max_model_len=1024))
     d = json.loads(p.to_json())
     assert d["partition"] == [2, 2] and d["partition_env"] == "2,2" and d["num_blocks"] == 79
     assert d["ranks"][1]["kv_bytes_per_block"] == 2 * PAGE

@@ -1,0 +1,93 @@
+"""The split objectives: which of the splits that hold the asked context the search takes.
+
+``speed`` (the default): among the splits whose pool holds ``--max-num-seqs`` requests of
+``--max-model-len`` tokens at once (when no split does, those that hold one request), the
+fastest predicted decode step; splits within :data:`SPEED_TOLERANCE` of the fastest count as
+equally fast and the one with the largest KV pool wins among them. ``pool``: the largest KV
+pool; among the splits within :data:`POOL_TOLERANCE` of it, the fastest predicted decode step.
+``auto`` is ``speed`` (as it was before; kept for existing settings). ``--max-model-len auto``
+asks for the longest context, so it is planned by ``pool`` whatever the objective.
+
+Candidates are the search's (planner/search.py): anything with ``num_blocks``, ``decode_ms``
+(None where a card's bandwidth is unknown), ``order`` and ``partition``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+OBJECTIVES = ("speed", "pool", "auto")
+DEFAULT_OBJECTIVE = "speed"
+#: "pool": splits within this share of the largest pool count as equal; the faster one wins.
+POOL_TOLERANCE = 0.99
+#: "speed": splits predicted within 0.5% of the fastest decode step count as equally fast (on the
+#: reference pair one layer moved between the cards changes the step by 1-1.5%); the larger pool wins.
+SPEED_TOLERANCE = 0.005
+#: The environment variable that selects the objective (read by the executor and ``plan``).
+OBJECTIVE_ENV = "VLLM_DUALGPU_OBJECTIVE"
+
+
+def rule(objective: str, auto_fit: bool) -> str:
+    """The rule a request's objective applies: "speed" or "pool"."""
+    return "pool" if objective == "pool" or auto_fit else "speed"
+
+
+def select(cands: list, rule_: str, seqs_blocks: int):
+    """The candidate the rule takes. ``seqs_blocks``: the blocks ``--max-num-seqs`` requests of
+    the full length take at once (with the null block); "speed" keeps the candidates that hold
+    them when any does."""
+    if rule_ == "pool":
+        best_blocks = max(c.num_blocks for c in cands)
+        tied = [c for c in cands if c.num_blocks >= best_blocks * POOL_TOLERANCE]
+        return min(tied, key=lambda c: (c.decode_ms or 0.0, -c.partition[-1], c.partition))
+    held = held_candidates(cands, seqs_blocks)
+    fastest = min(c.decode_ms for c in held)
+    near = [c for c in held if c.decode_ms <= fastest * (1 + SPEED_TOLERANCE) + 1e-9]
+    return min(near, key=lambda c: (-c.num_blocks, c.decode_ms, -c.partition[-1], c.partition))
+
+
+def held_candidates(cands: list, seqs_blocks: int) -> list:
+    """The candidates whose pool holds ``seqs_blocks``, or all of them when none does."""
+    return [c for c in cands if c.num_blocks >= seqs_blocks] or list(cands)
+
+
+@dataclass(frozen=True)
+class PoolAlternative:
+    """What the ``pool`` objective gives for the same request, where it differs from the plan."""
+
+    order: list[int]
+    partition: list[int]
+    num_blocks: int
+    pool_tokens: int
+    predicted_decode_ms: float | None
+
+    @classmethod
+    def of(cls, plan) -> "PoolAlternative":
+        return cls(list(plan.order), list(plan.partition), plan.num_blocks, plan.pool_tokens,
+                   plan.predicted_decode_ms)
+
+    def to_dict(self) -> dict:
+        ms = self.predicted_decode_ms
+        return {"order": list(self.order), "partition": list(self.partition), "num_blocks": self.num_blocks,
+                "pool_tokens": self.pool_tokens, "predicted_decode_ms": None if ms is None else round(ms, 3)}
+
+
+def _split(order, partition, other_order) -> str:
+    text = "/".join(map(str, partition))
+    return f"GPUs {','.join(map(str, order))} split {text}" if list(order) != list(other_order) else f"split {text}"
+
+
+def trade_line(plan) -> str | None:
+    """One line when the plan's split is not the pool objective's: the chosen split with its
+    predicted step and pool, what ``pool`` would give instead and how to ask for it; None when
+    they agree (or the plan was not chosen by ``speed``)."""
+    alt = plan.pool_alternative
+    if alt is None:
+        return None
+    ms, alt_ms = plan.predicted_decode_ms, alt.predicted_decode_ms
+    return (
+        f"vllm-dualgpu plan: {_split(plan.order, plan.partition, alt.order)} for the fastest predicted "
+        f"decode, {ms:.1f} ms per step with a KV pool of {plan.pool_tokens:,} tokens; the pool "
+        f"objective gives {_split(alt.order, alt.partition, plan.order)}, {alt.pool_tokens:,} tokens at "
+        f"{alt_ms:.1f} ms per step (set {OBJECTIVE_ENV}=pool for it)"
+    )
