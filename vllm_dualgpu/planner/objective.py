@@ -1,8 +1,8 @@
 """The split objectives: which of the splits that hold the asked context the search takes.
 
 ``speed`` (the default): among the splits whose pool holds ``--max-num-seqs`` requests of
-``--max-model-len`` tokens at once (when no split does, those that hold one request), the
-fastest predicted decode step; splits within :data:`SPEED_TOLERANCE` of the fastest count as
+``--max-model-len`` tokens at once (when no split does, those that hold one request), with
+:data:`HOLD_MARGIN` to spare where a split can, the fastest predicted decode step; splits within :data:`SPEED_TOLERANCE` of the fastest count as
 equally fast and the one with the largest KV pool wins among them. ``pool``: the largest KV
 pool; among the splits within :data:`POOL_TOLERANCE` of it, the fastest predicted decode step.
 ``auto`` is ``speed`` (as it was before; kept for existing settings). ``--max-model-len auto``
@@ -23,6 +23,11 @@ POOL_TOLERANCE = 0.99
 #: "speed": splits predicted within 0.5% of the fastest decode step count as equally fast (on the
 #: reference pair one layer moved between the cards changes the step by 1-1.5%); the larger pool wins.
 SPEED_TOLERANCE = 0.005
+#: "speed": a split must hold what it must hold (the requests asked) with this much to spare, when
+#: any split does: the plan predicts vLLM's pool within a few percent (issue #28 asks 3%), and a
+#: pool short of --max-model-len refuses the context at boot. The pool objective keeps its margin
+#: by choosing the largest pool.
+HOLD_MARGIN = 0.03
 #: The environment variable that selects the objective (read by the executor and ``plan``).
 OBJECTIVE_ENV = "VLLM_DUALGPU_OBJECTIVE"
 
@@ -32,15 +37,18 @@ def rule(objective: str, auto_fit: bool) -> str:
     return "pool" if objective == "pool" or auto_fit else "speed"
 
 
-def select(cands: list, rule_: str, seqs_blocks: int):
+def select(cands: list, rule_: str, seqs_blocks: int, one_blocks: int = 0):
     """The candidate the rule takes. ``seqs_blocks``: the blocks ``--max-num-seqs`` requests of
     the full length take at once (with the null block); "speed" keeps the candidates that hold
-    them when any does."""
+    them when any does, and of those the ones that hold what they must (those requests, or one
+    request of ``one_blocks``) with :data:`HOLD_MARGIN` to spare, when any does."""
     if rule_ == "pool":
         best_blocks = max(c.num_blocks for c in cands)
         tied = [c for c in cands if c.num_blocks >= best_blocks * POOL_TOLERANCE]
         return min(tied, key=lambda c: (c.decode_ms or 0.0, -c.partition[-1], c.partition))
     held = held_candidates(cands, seqs_blocks)
+    need = seqs_blocks if seqs_blocks and any(c.num_blocks >= seqs_blocks for c in cands) else one_blocks
+    held = [c for c in held if c.num_blocks >= need * (1 + HOLD_MARGIN)] or held
     fastest = min(c.decode_ms for c in held)
     near = [c for c in held if c.decode_ms <= fastest * (1 + SPEED_TOLERANCE) + 1e-9]
     return min(near, key=lambda c: (-c.num_blocks, c.decode_ms, -c.partition[-1], c.partition))

@@ -806,9 +806,10 @@ def _choose(ctx: _Context, cands: list[_Candidate], length: int | None, objectiv
         return (pool_choice or select(cands, rule_, 0)), rule_, 1
     assert length is not None  # auto_fit is planned by the pool rule
     # a pool for --max-num-seqs requests of the full length at once, where a split holds one
-    seqs_blocks = ctx.max_num_seqs * ctx.kv.blocks_per_request(length) + 1
+    one_blocks = ctx.kv.blocks_per_request(length) + 1
+    seqs_blocks = ctx.max_num_seqs * (one_blocks - 1) + 1
     held = ctx.max_num_seqs if any(c.num_blocks >= seqs_blocks for c in cands) else 1
-    return select(cands, rule_, seqs_blocks), rule_, held
+    return select(cands, rule_, seqs_blocks, one_blocks), rule_, held
 
 
 def check_stock(model: ModelSpec, gpus: list[GpuFacts], request: PlanRequest | None = None) -> Plan:

@@ -130,3 +130,19 @@ def test_unknown_bandwidth_falls_back_to_pool_and_says_so(tiny):
     assert "Chosen for the largest KV pool." in p.table()
     # with both bandwidths known there is no such note
     assert not any("bandwidth" in n for n in plan(tiny, pair(2000, 500), req(max_model_len=1024)).notes)
+
+
+def test_speed_keeps_a_margin_over_what_it_must_hold():
+    """A split whose pool holds the request by less than HOLD_MARGIN is taken only when no split
+    holds it with that margin: the planner predicts vLLM's pool within a few percent, and a pool
+    1% short of 262,144 tokens refuses the whole context at boot."""
+    from vllm_dualgpu.planner.objective import HOLD_MARGIN
+
+    assert HOLD_MARGIN == 0.03
+    thin, roomy, roomier = cand(101, 9.0, (1, 5)), cand(103, 10.0, (2, 4)), cand(150, 11.0, (3, 3))
+    # one request needs 100 blocks: 101 is within 3%, 103 is not
+    assert select([thin, roomy, roomier], "speed", 0, one_blocks=100).partition == (2, 4)
+    assert select([thin], "speed", 0, one_blocks=100).partition == (1, 5)  # nothing with the margin
+    # two requests need 140 blocks (held by 150 only): the margin applies to that need
+    assert select([thin, roomy, roomier], "speed", 140, one_blocks=100).partition == (3, 3)
+    assert select([thin, roomy], "speed", 0).partition == (1, 5)  # no need given: no margin
