@@ -7,14 +7,12 @@ GPU: every request failed within 9 s). Other errors keep vLLM's own handling."""
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 
 from vllm_dualgpu import envs
-from vllm_dualgpu.engine import handoff
 from vllm_dualgpu.engine import worker as w
+from worker_fakes import ending_rank
 
 GiB = 1024**3
 STEPS = [name for name in ("execute_model", "sample_tokens") if hasattr(w.Worker, name)]
@@ -22,19 +20,9 @@ STEPS = [name for name in ("execute_model", "sample_tokens") if hasattr(w.Worker
 
 @pytest.fixture
 def rank(monkeypatch, caplog):
-    caplog.set_level(logging.ERROR, logger="vllm.dualgpu")
-    logging.getLogger("vllm.dualgpu").propagate = True
-
-    def ended(code):
-        raise SystemExit(code)
-
-    monkeypatch.setattr(w.os, "_exit", ended)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (300 * 1024**2, 16 * GiB))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "NVIDIA GeForce RTX 4070 Ti SUPER")
-    r = object.__new__(w.DualGpuWorker)
-    r.rank, r.device = 0, "cuda:0"
-    r._dualgpu_rank = handoff.RankRecord(0, 0, "NVIDIA GeForce RTX 4070 Ti SUPER", GiB, None, 16, None)
-    return r
+    return ending_rank(monkeypatch, caplog, 0, "NVIDIA GeForce RTX 4070 Ti SUPER", GiB, 16)
 
 
 def failing(monkeypatch, name, exc):

@@ -7,13 +7,10 @@ after a sticky CUDA fault (every later CUDA call raises the same error)."""
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 
 from vllm_dualgpu import envs
-from vllm_dualgpu.engine import handoff
-from vllm_dualgpu.engine import worker as w
+from worker_fakes import ending_rank
 
 GiB = 1024**3
 ILLEGAL = "CUDA error: an illegal memory access was encountered"
@@ -23,16 +20,7 @@ ILLEGAL = "CUDA error: an illegal memory access was encountered"
 def rank(monkeypatch, caplog):
     from vllm.v1.worker.gpu_worker import Worker
 
-    caplog.set_level(logging.ERROR, logger="vllm.dualgpu")
-    logging.getLogger("vllm.dualgpu").propagate = True
-
-    def ended(code):
-        raise SystemExit(code)
-
-    monkeypatch.setattr(w.os, "_exit", ended)
-    r = object.__new__(w.DualGpuWorker)
-    r.rank, r.device = 1, "cuda:1"
-    r._dualgpu_rank = handoff.RankRecord(1, 0, "NVIDIA H200", 256 * 1024**2, None, 29, None)
+    r = ending_rank(monkeypatch, caplog, 1, "NVIDIA H200", 256 * 1024**2, 29)
 
     def fails_with(exc):
         def warm_up(self):

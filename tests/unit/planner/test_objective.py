@@ -15,20 +15,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_dualgpu.planner import GpuFacts, MemoryModel, ModelSpec, PlanRequest, plan
+from vllm_dualgpu.planner import GpuFacts, ModelSpec, PlanRequest, plan
+from test_search import TINY, ZERO  # test_search.py's tiny model and zero runtime-memory model
 from vllm_dualgpu.planner.objective import DEFAULT_OBJECTIVE, SPEED_TOLERANCE, select
 
 MIB, GIB = 1 << 20, 1 << 30
-# test_search.py's tiny model, pair and zero runtime-memory model
-ZERO = MemoryModel(
-    cuda_context_bytes=0, workspace_bytes=0, cudagraph_bytes=0, activation_element_bytes=0, sampler_bytes_per_logit=0,
-    pp_comms_first_bytes=0, pp_comms_last_bytes=0, pp_comms_pcie_bytes=0,
-)
-TINY = {
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 256, "intermediate_size": 512,
-    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024,
-    "max_position_embeddings": 4096, "torch_dtype": "bfloat16", "tie_word_embeddings": False,
-}
 
 
 @pytest.fixture
