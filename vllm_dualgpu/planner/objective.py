@@ -2,8 +2,9 @@
 
 ``speed`` (the default): among the splits whose pool holds ``--max-num-seqs`` requests of
 ``--max-model-len`` tokens at once (when no split does, those that hold one request), with
-:data:`HOLD_MARGIN` to spare where a split can, the fastest predicted decode step; splits within :data:`SPEED_TOLERANCE` of the fastest count as
-equally fast and the one with the largest KV pool wins among them. ``pool``: the largest KV
+:data:`HOLD_MARGIN` to spare where a split can, the fastest predicted decode step; splits
+within :data:`SPEED_TOLERANCE` of the fastest count as equally fast and the one with the
+largest KV pool wins among them. ``pool``: the largest KV
 pool; among the splits within :data:`POOL_TOLERANCE` of it, the fastest predicted decode step.
 ``auto`` is ``speed`` (as it was before; kept for existing settings). ``--max-model-len auto``
 asks for the longest context, so it is planned by ``pool`` whatever the objective.
@@ -46,17 +47,13 @@ def select(cands: list, rule_: str, seqs_blocks: int, one_blocks: int = 0):
         best_blocks = max(c.num_blocks for c in cands)
         tied = [c for c in cands if c.num_blocks >= best_blocks * POOL_TOLERANCE]
         return min(tied, key=lambda c: (c.decode_ms or 0.0, -c.partition[-1], c.partition))
-    held = held_candidates(cands, seqs_blocks)
-    need = seqs_blocks if seqs_blocks and any(c.num_blocks >= seqs_blocks for c in cands) else one_blocks
+    holds_seqs = seqs_blocks > 0 and any(c.num_blocks >= seqs_blocks for c in cands)
+    need = seqs_blocks if holds_seqs else one_blocks
+    held = [c for c in cands if c.num_blocks >= seqs_blocks] if holds_seqs else list(cands)
     held = [c for c in held if c.num_blocks >= need * (1 + HOLD_MARGIN)] or held
     fastest = min(c.decode_ms for c in held)
     near = [c for c in held if c.decode_ms <= fastest * (1 + SPEED_TOLERANCE) + 1e-9]
     return min(near, key=lambda c: (-c.num_blocks, c.decode_ms, -c.partition[-1], c.partition))
-
-
-def held_candidates(cands: list, seqs_blocks: int) -> list:
-    """The candidates whose pool holds ``seqs_blocks``, or all of them when none does."""
-    return [c for c in cands if c.num_blocks >= seqs_blocks] or list(cands)
 
 
 @dataclass(frozen=True)
