@@ -18,7 +18,6 @@ import random
 from gpu_models import gdn_prefill_config
 
 MAX_MODEL_LEN = 4096
-STOCK_UTILIZATION = 0.1  # of the GPU for stock PP=1: 3.2 GiB of a 32 GiB card, 14 GiB of an H200
 MAX_BATCHED_TOKENS = 32768  # holds one whole pass: prompts are not split by the token budget
 LOGPROBS = 5
 TIE_TOL = 0.1  # nats; logits near 4 are 0.03 apart in bf16
@@ -152,8 +151,9 @@ def engine_kwargs(model: str, model_dir, pp: int, dtype: str, mtp: bool = False,
           "enable_prefix_caching": prefix_caching, "disable_log_stats": False}
     if pp > 1:
         kw.update(pipeline_parallel_size=pp, distributed_executor_backend="dualgpu")
-    else:  # stock on one GPU: a small share of it, so other runs can share the GPU (its KV is ample)
-        kw["gpu_memory_utilization"] = STOCK_UTILIZATION
+    # Stock (pp=1) keeps vLLM's default utilization and must have the GPU to itself: its profile
+    # reads device-wide free memory, so another run's allocations during it count as its own
+    # (seen: "Available KV cache memory: -25.18 GiB" at 0.1 next to a headline arm).
     if mtp:
         kw["speculative_config"] = dict(MTP)
     if model == "hybrid":
