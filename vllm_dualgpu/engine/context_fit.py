@@ -16,6 +16,10 @@ class ContextDoesNotFit(ValueError):
         self.largest = largest
 
 
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 1024:.0f} KiB"
+
+
 def per_rank_max_len(vllm_config, kv_cache_specs, available: list[int]) -> list[int | None]:
     """vLLM's estimate of the longest request each rank's KV budget holds (None: no KV).
 
@@ -23,17 +27,23 @@ def per_rank_max_len(vllm_config, kv_cache_specs, available: list[int]) -> list[
     :mod:`vllm_dualgpu.engine.vllm_kv` (0.32 changed the block-size helper, 0.33 moved
     them to ``kv_cache_planning`` behind the platform's KV config builder).
     """
+    return [lim for lim, _ in _per_rank(vllm_config, kv_cache_specs, available)]
+
+
+def _per_rank(vllm_config, kv_cache_specs, available: list[int]) -> list[tuple[int | None, int]]:
+    """(longest request, bytes one block takes) per rank, by vLLM's functions."""
     from vllm_dualgpu.engine import vllm_kv as kv
 
     groups = kv.model_kv_cache_groups(vllm_config, kv_cache_specs)
-    out: list[int | None] = []
+    out: list[tuple[int | None, int]] = []
     for specs, mem in zip(kv_cache_specs, available):
         projected = kv.project_groups(groups, specs)
         if not projected:
-            out.append(None)
+            out.append((None, 0))
             continue
-        usable = mem - kv.pool_bytes_per_block(vllm_config, projected)  # the null block
-        out.append(kv.estimate_max_model_len(vllm_config, projected, max(usable, 0)))
+        per_block = kv.pool_bytes_per_block(vllm_config, projected)
+        usable = mem - per_block  # the null block
+        out.append((kv.estimate_max_model_len(vllm_config, projected, max(usable, 0)), per_block))
     return out
 
 
@@ -41,8 +51,8 @@ def check_context_fits(vllm_config, kv_cache_specs, available: list[int], applie
     mc, cc = vllm_config.model_config, vllm_config.cache_config
     if mc.original_max_model_len == -1 or cc.num_gpu_blocks_override is not None:
         return  # vLLM fits the length itself / the user fixed the pool
-    limits = per_rank_max_len(vllm_config, kv_cache_specs, available)
-    known = [(lim, r) for r, lim in enumerate(limits) if lim is not None]
+    measured = _per_rank(vllm_config, kv_cache_specs, available)
+    known = [(lim, r) for r, (lim, _) in enumerate(measured) if lim is not None]
     if not known:
         return
     largest, rank = min(known)
@@ -50,8 +60,11 @@ def check_context_fits(vllm_config, kv_cache_specs, available: list[int], applie
         return
     gpus = getattr(applied, "gpus", None)
     where = f"rank {rank}" + (f" ({gpus[rank].name})" if gpus else "")
+    block = cc.block_size
     per_rank = ", ".join(
-        f"rank {r}: {lim:,} tokens in {available[r] / GiB:.2f} GiB" for lim, r in known
+        f"rank {r}: {lim:,} tokens in {available[r] / GiB:.2f} GiB, "
+        f"{_size(measured[r][1])} a block" + (f" of {block:,} tokens" if block else "")
+        for lim, r in known
     )
     raise ContextDoesNotFit(
         f"--max-model-len {mc.max_model_len:,} does not fit: {where} has room for "

@@ -47,6 +47,9 @@ class PlannedExecutor:
         apply_flashinfer_autotune_policy(
             self.vllm_config.kernel_config, [g.capability for g in self.dualgpu.gpus]
         )
+        from vllm_dualgpu.engine.attention_backend import apply_common_backend
+
+        apply_common_backend(self.vllm_config, [g.capability for g in self.dualgpu.gpus])
         # The workers know they are in a dualgpu run from their class (DualGpuWorker) and the
         # plan's hand-off in the config they receive (process.is_dualgpu_run): no environment.
 

@@ -185,7 +185,13 @@ class DualGpuWorker(Worker):
         available = super().determine_available_memory()
         record = getattr(self, "_dualgpu_rank", None)
         predicted = record.predicted_non_kv_bytes if record else None
-        rank_summary.note("non-KV", profiled_vs_predicted(self.requested_memory, available, predicted))
+        non_kv = profiled_vs_predicted(self.requested_memory, available, predicted)
+        rank_summary.note("non-KV", non_kv)
+        # Now, not only in the summary after the KV pool: a run refused at the KV check (or one
+        # that dies allocating it) still says what each rank's profile found.
+        logger.info("vllm-dualgpu rank %d profiled: weights %s, non-KV %s, KV room %s of a %s budget",
+                    self.rank, _gib(getattr(self.model_runner, "model_memory_usage", 0) or 0), non_kv,
+                    _gib(available), _gib(self.requested_memory))
         return available
 
     def _warm_pp_communicators(self) -> None:

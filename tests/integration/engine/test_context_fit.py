@@ -54,6 +54,8 @@ def test_limiting_rank_is_named_with_the_largest_length_that_fits(vllm_config):
     assert err.value.largest == 63 * 16
     msg = str(err.value)
     assert "rank 1 has room for 1,008 tokens" in msg
+    # each rank's block as vLLM prices it (3 layers x 16 tokens x 512 bytes on rank 1)
+    assert "rank 1: 1,008 tokens in 0.00 GiB, 24 KiB a block of 16 tokens" in msg
     assert "--max-model-len 1008" in msg
 
 

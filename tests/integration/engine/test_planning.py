@@ -264,3 +264,33 @@ def test_a_second_plan_in_one_process_does_not_take_the_first_as_the_users(make_
     applied = apply.apply_plan(second)
     assert handoff.load(second).partition_source == "plan" and sum(applied.plan.partition) == 28
     assert ",".join(map(str, applied.plan.partition)) == os.environ["VLLM_PP_LAYER_PARTITION"] != exported
+
+
+def test_mixed_capabilities_with_fp8_kv_share_one_attention_backend(engine_config, tmp_path):
+    """vLLM 0.31+ KV specs carry the backend's block alignment; on the virtual pair (vLLM 0.33)
+    rank 0 picked FlashInfer and rank 1 FlashAttention, and their attention layers did not
+    group. The executor sets one backend in the config every worker receives."""
+    import shutil
+
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    from vllm_dualgpu.engine.attention_backend import apply_common_backend
+
+    from conftest import FIXTURES
+
+    shutil.copy(FIXTURES / "tiny_qwen3.json", tmp_path / "config.json")
+    make = lambda **kw: engine_config(model=str(tmp_path), load_format="dummy",  # noqa: E731
+                                      skip_tokenizer_init=True, pipeline_parallel_size=2,
+                                      distributed_executor_backend="dualgpu", **kw)
+    aligned = "block_stride_alignment" in AttentionSpec.__dataclass_fields__
+    cfg = make(kv_cache_dtype="fp8")
+    assert cfg.attention_config.backend is None
+    apply_common_backend(cfg, [(8, 9), (9, 0)])
+    assert cfg.attention_config.backend == (AttentionBackendEnum.FLASHINFER if aligned else None)
+    chosen = make(kv_cache_dtype="fp8", attention_backend="TRITON_ATTN")
+    apply_common_backend(chosen, [(8, 9), (9, 0)])
+    assert chosen.attention_config.backend == AttentionBackendEnum.TRITON_ATTN
+    bf16 = make()
+    apply_common_backend(bf16, [(8, 9), (9, 0)])
+    assert bf16.attention_config.backend is None

@@ -219,3 +219,20 @@ def test_weights_held_outside_the_worker_are_refused_with_the_reason(monkeypatch
     monkeypatch.setattr(loaders, "get_model_loader", lambda load_config: External())
     with pytest.raises(ValueError, match=r"holds 3.00 GiB of weights outside the worker process"):
         w.refuse_external_weights(LoadConfig(), VllmConfig())
+
+
+def test_the_profile_is_logged_when_it_ends(fake_rank, monkeypatch, caplog):
+    """Seen on the virtual pair: a run refused at the KV check logged no rank summary, so what
+    each rank's profile charged was unknown. The profile is logged as soon as it ends."""
+    from vllm.v1.worker.gpu_worker import Worker
+
+    caplog.set_level(logging.INFO, logger="vllm.dualgpu")
+    logging.getLogger("vllm.dualgpu").propagate = True
+    monkeypatch.setattr(Worker, "determine_available_memory", lambda self: int(4.6 * GiB))
+    monkeypatch.setattr(w.DualGpuWorker, "_warm_pp_communicators", lambda self: None)
+    fake_rank.requested_memory = 14 * GiB
+    assert fake_rank.determine_available_memory() == int(4.6 * GiB)
+    lines = [r.getMessage() for r in caplog.records if "profiled:" in r.getMessage()]
+    assert len(lines) == 1
+    assert lines[0].startswith("vllm-dualgpu rank 1 profiled: weights 10.52 GiB, non-KV 9.40 GiB measured")
+    assert "KV room 4.60 GiB of a 14.00 GiB budget" in lines[0]

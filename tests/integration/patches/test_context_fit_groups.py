@@ -1,0 +1,118 @@
+"""The context-fit check after profiling agrees with the allocation on an uneven hybrid split.
+
+The headline's fp8-mtp arm (Qwen3.5 shape, split 15/49, the MTP layer on the last rank, vLLM
+0.33 on the virtual pair) was refused by this check: "rank 0 has room for 112,000 tokens" in
+4.60 GiB, about 17 pages a block, where the plan prices 4 pages on rank 0 and 14 on rank 1.
+On the CPU the same shape's specs give the allocation's 4 and 14 pages and the check agrees
+with vLLM's run-time ``get_kv_cache_configs`` both ways (these tests), so the GPU workers'
+specs differ from these; the refusal now names each rank's block size to find out where.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from spec_pp import applied, kv_layout, mamba_spec, pp_configs  # noqa: F401  (shared fixtures)
+
+
+def uneven_hybrid(first: int):
+    """The reference 27B's 64 layers (every 4th full attention, GDN elsewhere) split first/rest,
+    plus one MTP attention layer on the last rank; equal pages as vLLM's platform makes them."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    bs = 64
+    attn = FullAttentionSpec(block_size=bs, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    gdn = dataclasses.replace(mamba_spec(bs), page_size_padded=attn.page_size_bytes)
+    ranks: list[dict] = [{}, {}]
+    for i in range(64):
+        kind = attn if (i + 1) % 4 == 0 else gdn
+        ranks[0 if i < first else 1][f"model.layers.{i}.{'attn' if kind is attn else 'gdn'}"] = kind
+    ranks[1]["mtp.layers.0.attn"] = attn
+    return ranks, bs
+
+
+def allocation(cfg, ranks, memory):
+    """What vLLM's run-time planning does with this memory (patched, as EngineCore calls it)."""
+    from vllm_dualgpu.patches.kv_cache_utils import kv_cache_configs
+
+    return kv_cache_configs(cfg, [dict(r) for r in ranks], list(memory))
+
+
+def test_the_check_passes_what_the_allocation_holds(applied, kv_layout):  # noqa: F811
+    from vllm_dualgpu.engine.context_fit import check_context_fits
+    from vllm_dualgpu.patches.kv_cache_utils import pool_bytes_per_block
+
+    applied("kv-groups-know-ranks")
+    applied("kv-groups-without-padding")
+    cfg = kv_layout["dualgpu"]
+    ranks, bs = uneven_hybrid(15)
+    # Size each rank for the allocation's own blocks: enough for max_model_len and a few more.
+    probe = allocation(cfg, ranks, [2**34, 2**34])
+    per_block = [pool_bytes_per_block(cfg, c.kv_cache_groups) for c in probe]
+    need_blocks = -(-cfg.model_config.max_model_len // bs) + 8
+    memory = [need_blocks * b for b in per_block]
+    configs = allocation(cfg, ranks, memory)  # vLLM accepts max_model_len with this memory
+    assert min(c.num_blocks for c in configs) * bs >= cfg.model_config.max_model_len
+    check_context_fits(cfg, [dict(r) for r in ranks], memory)
+
+
+def test_the_largest_length_it_reports_is_what_the_allocation_accepts(applied, kv_layout):  # noqa: F811
+    from vllm_dualgpu.engine.context_fit import ContextDoesNotFit, check_context_fits
+    from vllm_dualgpu.patches.kv_cache_utils import pool_bytes_per_block
+
+    applied("kv-groups-know-ranks")
+    applied("kv-groups-without-padding")
+    cfg = kv_layout["dualgpu"]
+    ranks, bs = uneven_hybrid(15)
+    probe = allocation(cfg, ranks, [2**34, 2**34])
+    per_block = [pool_bytes_per_block(cfg, c.kv_cache_groups) for c in probe]
+    memory = [per_block[0] * 400, per_block[1] * 40]  # rank 1 limits, far below max_model_len
+    with pytest.raises(ValueError, match="estimated maximum model length is"):
+        allocation(cfg, ranks, memory)
+    with pytest.raises(ContextDoesNotFit) as err:
+        check_context_fits(cfg, [dict(r) for r in ranks], memory)
+    assert "rank 1" in str(err.value).split(" has room")[0]
+    keep = cfg.model_config.max_model_len
+    cfg.model_config.max_model_len = err.value.largest
+    try:
+        allocation(cfg, ranks, memory)  # accepted at the length reported
+        cfg.model_config.max_model_len = err.value.largest + bs
+        with pytest.raises(ValueError, match="estimated maximum model length is"):
+            allocation(cfg, ranks, memory)  # and not one block more
+    finally:
+        cfg.model_config.max_model_len = keep
+
+
+def test_attention_layers_of_two_backends_do_not_group(applied, kv_layout):  # noqa: F811
+    """The headline's refusal, reproduced: rank 0's attention layers carry FlashInfer's block
+    alignment (a multiple of 64), rank 1's FlashAttention's (none). vLLM keeps them in separate
+    buckets, groups the 65 layers in threes, and the same memory holds a fraction of the tokens.
+    Hence one backend on every rank (engine/attention_backend.py)."""
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    if "block_stride_alignment" not in AttentionSpec.__dataclass_fields__:
+        pytest.skip("this vLLM's KV specs carry no block alignment")
+    from vllm.v1.attention.backend import MultipleOf
+
+    from vllm_dualgpu.engine.context_fit import per_rank_max_len
+    from vllm_dualgpu.engine import vllm_kv as kv
+
+    applied("kv-groups-know-ranks")
+    applied("kv-groups-without-padding")
+    cfg = kv_layout["dualgpu"]
+    ranks, bs = uneven_hybrid(15)
+    flashinfer = [{n: (dataclasses.replace(s, block_stride_alignment=MultipleOf(64))
+                       if isinstance(s, AttentionSpec) else s) for n, s in r.items()} for r in ranks]
+    mixed = [flashinfer[0], ranks[1]]
+    memory = [6 * 2**20, 2**30]  # rank 0, the small card, limits: below max_model_len (4,096)
+    one_backend = per_rank_max_len(cfg, flashinfer, memory)
+    two_backends = per_rank_max_len(cfg, mixed, memory)
+    assert len(kv.model_kv_cache_groups(cfg, flashinfer)) == 4
+    assert len(kv.model_kv_cache_groups(cfg, mixed)) > 4
+    # Rank 0 (3 attention + 12 GDN layers): 4 pages a block and one attention group with one
+    # backend; 3 pages a block and 6 attention groups a request with two.
+    assert one_backend[0] < 4096
+    assert two_backends[0] * 3 < one_backend[0], (one_backend, two_backends)
