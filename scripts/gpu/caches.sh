@@ -1,25 +1,25 @@
 #!/usr/bin/env bash
 # Compile caches between fresh GPU machines of the same kind and the same staged vLLM:
 #
-#     bash scripts/gpu/caches.sh save OUTDIR [PART_MIB]   # the caches as OUTDIR/caches.tar.zst.NN
-#     bash scripts/gpu/caches.sh load DIR                 # unpack DIR/caches.tar.zst.* in place
+#     bash scripts/gpu/caches.sh save OUTDIR [PART_MIB]   # the caches as OUTDIR/caches.tar.{zst,gz}.NN
+#     bash scripts/gpu/caches.sh load DIR                 # unpack DIR/caches.tar.*.NN in place
 #
 # A fresh machine spends minutes of a first boot compiling: Triton kernels (the GDN and attention
 # kernels, autotuned), torch.compile's graphs and Inductor's kernels. These are keyed by source,
 # shapes and device, so a later machine with the same GPU and vLLM reuses them. save packs
 # Triton's cache, vLLM's cache root (torch_compile_cache) and Inductor's folder, in parts of at
-# most PART_MIB (default 15); if they come to more than 45 MiB, Inductor's folder is left out and
-# then vLLM's, Triton's cache being the largest saving. load is a no-op without parts.
+# most PART_MIB (default 15; zstd, or gzip where zstd is missing, named by which); if they come
+# to more than 45 MiB, Inductor's folder is left out and then vLLM's, Triton's cache being the
+# largest saving. load is a no-op without parts.
 set -euo pipefail
 verb=${1:?usage: caches.sh save OUTDIR [PART_MIB] | load DIR}
 dir=${2:?usage: caches.sh save OUTDIR [PART_MIB] | load DIR}
 TRITON=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
 VLLM_ROOT=${VLLM_CACHE_ROOT:-$HOME/.cache/vllm}
 INDUCTOR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/torchinductor_$(id -un)}
-if command -v zstd >/dev/null; then Z=(zstd -q -T0 -15) UNZ=(zstd -q -d); else Z=(gzip -6) UNZ=(gzip -d); fi
-pack() { tar cf - "$@" 2>/dev/null | "${Z[@]}"; }
 case "$verb" in
   save)
+    if command -v zstd >/dev/null; then ext=zst Z=(zstd -q -T0 -15); else ext=gz Z=(gzip -6); fi
     mkdir -p "$dir"
     sets=("$TRITON $VLLM_ROOT $INDUCTOR" "$TRITON $VLLM_ROOT" "$TRITON")
     for set in "${sets[@]}"; do
@@ -27,18 +27,20 @@ case "$verb" in
       paths=$(for p in $set; do if [ -d "$p" ]; then echo "$p"; fi; done)
       [ -n "$paths" ] || { echo "caches.sh: no cache folder to save" >&2; exit 0; }
       # shellcheck disable=SC2086
-      pack $paths > "$dir/caches.tar.zst"
-      mib=$(( $(stat -c %s "$dir/caches.tar.zst") / 1048576 ))
+      tar cf - $paths 2>/dev/null | "${Z[@]}" > "$dir/caches.tar.$ext"
+      mib=$(( $(stat -c %s "$dir/caches.tar.$ext") / 1048576 ))
       [ "$mib" -le 45 ] && break
       echo "caches.sh: $set came to $mib MiB, trying less" >&2
     done
-    rm -f "$dir"/caches.tar.zst.*
-    split -b "${3:-15}M" -d "$dir/caches.tar.zst" "$dir/caches.tar.zst."
-    rm -f "$dir/caches.tar.zst"
-    echo "caches.sh: saved $(echo $paths) in $(ls "$dir"/caches.tar.zst.* | wc -l) parts, $mib MiB" ;;
+    rm -f "$dir"/caches.tar.*.[0-9][0-9]
+    split -b "${3:-15}M" -d "$dir/caches.tar.$ext" "$dir/caches.tar.$ext."
+    rm -f "$dir/caches.tar.$ext"
+    echo "caches.sh: saved $(echo $paths) in $(ls "$dir"/caches.tar.$ext.* | wc -l) parts, $mib MiB" ;;
   load)
-    ls "$dir"/caches.tar.zst.* >/dev/null 2>&1 || { echo "caches.sh: no parts in $dir"; exit 0; }
-    cat "$dir"/caches.tar.zst.* | "${UNZ[@]}" | tar xf - -C /
-    echo "caches.sh: loaded $(cat "$dir"/caches.tar.zst.* | "${UNZ[@]}" | tar tf - | wc -l) files" ;;
+    if ls "$dir"/caches.tar.zst.[0-9][0-9] >/dev/null 2>&1; then ext=zst UNZ=(zstd -q -d)
+    elif ls "$dir"/caches.tar.gz.[0-9][0-9] >/dev/null 2>&1; then ext=gz UNZ=(gzip -d)
+    else echo "caches.sh: no parts in $dir"; exit 0; fi
+    cat "$dir"/caches.tar.$ext.[0-9][0-9] | "${UNZ[@]}" | tar xf - -C /
+    echo "caches.sh: loaded $(cat "$dir"/caches.tar.$ext.[0-9][0-9] | "${UNZ[@]}" | tar tf - | wc -l) files" ;;
   *) echo "caches.sh: unknown verb $verb (save, load)" >&2; exit 2 ;;
 esac
