@@ -41,17 +41,24 @@ def allocation(cfg, ranks, memory):
     return kv_cache_configs(cfg, [dict(r) for r in ranks], list(memory))
 
 
-def test_the_check_passes_what_the_allocation_holds(applied, kv_layout):  # noqa: F811
-    from vllm_dualgpu.engine.context_fit import check_context_fits
+@pytest.fixture
+def split_15_49(applied, kv_layout):  # noqa: F811
+    """(config, rank specs, block size, each rank's bytes a block as the allocation prices it)."""
     from vllm_dualgpu.patches.kv_cache_utils import pool_bytes_per_block
 
     applied("kv-groups-know-ranks")
     applied("kv-groups-without-padding")
     cfg = kv_layout["dualgpu"]
     ranks, bs = uneven_hybrid(15)
-    # Size each rank for the allocation's own blocks: enough for max_model_len and a few more.
     probe = allocation(cfg, ranks, [2**34, 2**34])
-    per_block = [pool_bytes_per_block(cfg, c.kv_cache_groups) for c in probe]
+    return cfg, ranks, bs, [pool_bytes_per_block(cfg, c.kv_cache_groups) for c in probe]
+
+
+def test_the_check_passes_what_the_allocation_holds(split_15_49):
+    from vllm_dualgpu.engine.context_fit import check_context_fits
+
+    cfg, ranks, bs, per_block = split_15_49
+    # Size each rank for the allocation's own blocks: enough for max_model_len and a few more.
     need_blocks = -(-cfg.model_config.max_model_len // bs) + 8
     memory = [need_blocks * b for b in per_block]
     configs = allocation(cfg, ranks, memory)  # vLLM accepts max_model_len with this memory
@@ -59,16 +66,10 @@ def test_the_check_passes_what_the_allocation_holds(applied, kv_layout):  # noqa
     check_context_fits(cfg, [dict(r) for r in ranks], memory)
 
 
-def test_the_largest_length_it_reports_is_what_the_allocation_accepts(applied, kv_layout):  # noqa: F811
+def test_the_largest_length_it_reports_is_what_the_allocation_accepts(split_15_49):
     from vllm_dualgpu.engine.context_fit import ContextDoesNotFit, check_context_fits
-    from vllm_dualgpu.patches.kv_cache_utils import pool_bytes_per_block
 
-    applied("kv-groups-know-ranks")
-    applied("kv-groups-without-padding")
-    cfg = kv_layout["dualgpu"]
-    ranks, bs = uneven_hybrid(15)
-    probe = allocation(cfg, ranks, [2**34, 2**34])
-    per_block = [pool_bytes_per_block(cfg, c.kv_cache_groups) for c in probe]
+    cfg, ranks, bs, per_block = split_15_49
     memory = [per_block[0] * 400, per_block[1] * 40]  # rank 1 limits, far below max_model_len
     with pytest.raises(ValueError, match="estimated maximum model length is"):
         allocation(cfg, ranks, memory)
