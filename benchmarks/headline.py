@@ -33,7 +33,8 @@ Arms per launcher, each ``vllm.LLM`` in a fresh process group with a time limit:
    virtual pair both ranks run on GPU 0: ``ParallelConfig.assigned_physical_gpu_ids=[0, 0]`` and
    a distinct ``NCCL_HOSTID`` per worker process (so NCCL does not take the two ranks for one
    device), set by a worker class (virtual_expert_worker.py) since vLLM's ``--device-ids``
-   refuses a repeated id; ``NCCL_SOCKET_IFNAME=lo``; spawned workers. The expert's hand-set
+   refuses a repeated id; ``NCCL_SOCKET_IFNAME=lo``; spawned workers; FlashInfer attention on both
+   ranks, as the real cards pick it (EXPERT_VIRTUAL_ATTENTION). The expert's hand-set
    block count and split are what make its memory fit, as on the real cards; its per-rank cap
    CANNOT be enforced without the plugin (stock vLLM knows nothing of 16 and 32 GiB cards on one
    GPU): each rank's measured peak is compared with its card's size afterwards instead. The
@@ -117,6 +118,11 @@ LONG, MID, SHORT, TURN = 250_000, 32_768, 64, 33_000
 DECODE_TOKENS = 64
 H200_TOTAL_GIB = 143771 / 1024  # what NVML reports for an H200 (the planner's KNOWN_GPUS)
 EXPERT_WORKER = "virtual_expert_worker.VirtualPairExpertWorker"
+# On the virtual pair the expert's rank 1 runs as capability 9.0, where vLLM 0.33 picks
+# FlashAttention for an fp8 KV cache; the real RTX 5090 (12.0) has no fp8-KV FlashAttention and
+# picks FlashInfer, as the 4070 Ti SUPER does. The expert arm is held to what the real pair runs
+# (two backends would also split vLLM's KV groups: docs/device-identity.md).
+EXPERT_VIRTUAL_ATTENTION = "FLASHINFER"
 
 
 @dataclasses.dataclass
@@ -204,6 +210,7 @@ def expert_kwargs(launcher: str, base: dict, utilization: float, virtual: str | 
     kw["speculative_config"] = spec
     if virtual:
         kw["worker_cls"] = EXPERT_WORKER
+        kw["attention_backend"] = EXPERT_VIRTUAL_ATTENTION
     return kw
 
 
