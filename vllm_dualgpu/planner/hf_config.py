@@ -17,6 +17,11 @@ LINEAR = "linear_attention"
 
 HYBRID_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen4_exp_text")
 """Model types of the Qwen3-Next / Qwen3.5 family: Gated DeltaNet layers, gated attention output."""
+EMBED_ON_EVERY_RANK_TYPES = HYBRID_TYPES
+"""Model types whose vLLM model builds the input embedding on every pipeline rank, not only the
+first: ``Qwen3NextModel.__init__`` (``qwen3_next.py``, vLLM 0.30-0.33; ``Qwen3_5Model`` inherits
+it) and Qwen4Exp's model create ``embed_tokens`` without a first-rank test. Seen on GPUs: the
+last rank of a 64-layer Qwen3.5 loaded 2.4 GiB more than a plan with the table on rank 0 only."""
 QK_NORM_TYPES = ("qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_vl_text",
                  "qwen3_vl_moe_text")
 QKV_BIAS_TYPES = ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text", "qwen2_moe")

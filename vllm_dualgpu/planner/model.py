@@ -1,7 +1,7 @@
 """What a model costs in memory, read from its Hugging Face ``config.json``.
 
 :class:`ModelSpec` holds, per decoder layer, its type (full attention or Gated DeltaNet linear
-attention), its weight bytes and the bytes one decode step reads; plus the embedding (rank 0),
+attention), its weight bytes and the bytes one decode step reads; plus the embedding (rank 0; every rank for the Qwen3.5 / Qwen3-Next family),
 the output head (last rank), the vision tower (rank 0) and the model's own MTP layers.
 :class:`DrafterSpec` is a speculative-decoding drafter (MTP, EAGLE, DFlash, a draft model),
 which vLLM places on the last pipeline rank. Parameter shapes follow vLLM 0.30's model code
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from vllm_dualgpu.planner.errors import BadRequest, UnsupportedModel
 from vllm_dualgpu.planner.formats import FormatResolver, dense_format
 
-from vllm_dualgpu.planner.hf_config import FULL, LINEAR, DecoderConfig, GdnDims  # noqa: F401 (re-exported)
+from vllm_dualgpu.planner.hf_config import EMBED_ON_EVERY_RANK_TYPES, FULL, LINEAR, DecoderConfig, GdnDims  # noqa: F401 (re-exported)
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,11 @@ class ModelSpec:
     @property
     def is_hybrid(self) -> bool:
         return any(layer.kind == LINEAR for layer in self.layers)
+
+    @property
+    def embedding_on_every_rank(self) -> bool:
+        """vLLM builds this model's input embedding on every pipeline rank (hf_config)."""
+        return self.model_type in EMBED_ON_EVERY_RANK_TYPES
 
     @property
     def has_vision(self) -> bool:

@@ -368,12 +368,13 @@ class _Context:
         for first in (True, False):
             for last in (True, False):
                 f = {"cuda_context": mm.cuda_context_bytes}
-                if first:
+                embedded = first or model.embedding_on_every_rank
+                if embedded:
                     f["embedding"] = model.embed_bytes
                 if self.vision and (first or request.vision_on_every_rank):
                     f["vision"] = model.vision_bytes
                 if last:
-                    if not (first and model.tie_word_embeddings):
+                    if not (embedded and model.tie_word_embeddings):
                         f["lm_head"] = model.lm_head_bytes
                     f["final_norm"] = model.final_norm_bytes
                     d = self.drafter
