@@ -61,11 +61,14 @@ def test_json_output_matches_the_planner(capsys):
     rc, out, _ = run_cli(capsys, "--json")
     assert rc == 0
     d = json.loads(out)
-    # The reference pair with VLLM_DUALGPU_RESERVE=0 (the autouse fixture).
+    # The reference pair with VLLM_DUALGPU_RESERVE=0 (the autouse fixture), planned with the
+    # reference setup's single-user serving flags: fp8 KV, 2 sequences, 1,024 batched tokens.
     want = plan(ModelSpec.from_hf_config(reference_config()), parse_gpus("RTX 5090,RTX 4070 Ti SUPER"),
-                PlanRequest(kv_cache_dtype="fp8", max_num_seqs=0))
+                PlanRequest(kv_cache_dtype="fp8", max_num_seqs=2, max_num_batched_tokens=1024))
     assert d["plan"]["partition"] == want.partition and d["plan"]["order"] == [1, 0]
     assert d["plan"]["num_blocks"] == want.num_blocks
+    assert (d["plan"]["max_num_seqs"], d["plan"]["max_num_batched_tokens"]) == (2, 1024)
+    assert "--max-num-seqs 2 --max-num-batched-tokens 1024" in d["command"]
     assert d["plan"]["ranks"][1]["gpu"]["name"] == "RTX 5090"
     assert d["stock"]["partition"] == [32, 32]
     assert d["command"].startswith("vllm serve MODEL --pipeline-parallel-size 2")
@@ -185,11 +188,16 @@ def test_bad_arguments_exit_2(capsys):
 def test_gpus_without_reserve_get_the_executors_default(capsys, monkeypatch):
     """plan keeps free what the executor would: VLLM_DUALGPU_RESERVE, else 1 GiB a card."""
     monkeypatch.delenv("VLLM_DUALGPU_RESERVE")
-    rc, out, _ = run_cli(capsys, "--gpus", "RTX 4070 Ti SUPER,RTX 5090:reserve=2GiB", "--json")
+    # 131,072 tokens: a length the pair holds with 3 GiB kept free (the model's 262,144 does not,
+    # now that both ranks hold the 2.4 GiB embedding), so the JSON has a plan to read.
+    mml = ("--max-model-len", "131072")
+    rc, out, _ = run_cli(capsys, "--gpus", "RTX 4070 Ti SUPER,RTX 5090:reserve=2GiB", *mml, "--json")
+    assert rc == 0, out
     ranks = {r["gpu"]["name"]: r["gpu"]["reserve_bytes"] for r in json.loads(out)["plan"]["ranks"]}
     assert ranks == {"RTX 4070 Ti SUPER": 1 << 30, "RTX 5090": 2 << 30}
     monkeypatch.setenv("VLLM_DUALGPU_RESERVE", "512MiB,0")
-    rc, out, _ = run_cli(capsys, "--gpus", "RTX 4070 Ti SUPER,RTX 5090", "--json")
+    rc, out, _ = run_cli(capsys, "--gpus", "RTX 4070 Ti SUPER,RTX 5090", *mml, "--json")
+    assert rc == 0, out
     ranks = {r["gpu"]["name"]: r["gpu"]["reserve_bytes"] for r in json.loads(out)["plan"]["ranks"]}
     assert ranks == {"RTX 4070 Ti SUPER": 512 << 20, "RTX 5090": 0}
 

@@ -12,8 +12,14 @@ import pytest
 from vllm_dualgpu.cli import main
 
 PAIR = "RTX 5090,RTX 4070 Ti SUPER"
-MTP = ["--kv-cache-dtype", "fp8", "--max-model-len", "262144", "--max-num-seqs", "2",
+# The reference setup's serving flags with MTP, at 131,072 tokens: a length several splits of the
+# pair hold, so the fastest split and the largest pool differ (at the model's 262,144 the pair
+# holds MTP on no split, now that both ranks hold the embedding).
+MTP = ["--kv-cache-dtype", "fp8", "--max-model-len", "131072", "--max-num-seqs", "2",
        "--max-num-batched-tokens", "1024", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 3}']
+# A mismatched pair with room: --max-model-len auto reaches the model's 262,144 on more than one
+# split (on PAIR only the largest-pool split holds the largest length that fits).
+ROOMY = "RTX 5090,RTX 4090"
 
 
 @pytest.fixture(autouse=True)
@@ -65,16 +71,26 @@ def test_unknown_bandwidth_plans_for_the_pool_and_the_serve_line_says_so(capsys)
 
 
 def test_auto_length_keeps_the_pool_split_in_its_serve_line_only_where_needed(capsys):
-    # on the mismatched pair the default would plan the printed length on a faster split
-    rc, out, err = plan(capsys, "--gpus", PAIR, "--kv-cache-dtype", "fp8", "--max-model-len", "auto", "--json")
+    # on a roomy mismatched pair the default would plan the printed length on a faster split
+    rc, out, err = plan(capsys, "--gpus", ROOMY, "--kv-cache-dtype", "fp8", "--max-model-len", "auto", "--json")
     assert rc == 0, err
     d = json.loads(out)
     assert d["plan"]["objective"] == "pool"
     length = d["plan"]["max_model_len"]
-    rc, out, err = plan(capsys, "--gpus", PAIR, "--kv-cache-dtype", "fp8", "--max-model-len", str(length), "--json")
+    rc, out, err = plan(capsys, "--gpus", ROOMY, "--kv-cache-dtype", "fp8", "--max-model-len", str(length), "--json")
     again = json.loads(out)["plan"]
     assert again["partition"] != d["plan"]["partition"]
     assert env_of(d["command"]) == {"VLLM_DUALGPU_OBJECTIVE": "pool"}
+    # where only the largest-pool split holds the length auto found, the default plans it too
+    rc, out, err = plan(capsys, "--gpus", PAIR, "--kv-cache-dtype", "fp8", "--max-model-len", "auto", "--json")
+    d = json.loads(out)
+    assert rc == 0 and d["plan"]["objective"] == "pool", err
+    rc, out, err = plan(capsys, "--gpus", PAIR, "--kv-cache-dtype", "fp8", "--max-model-len",
+                        str(d["plan"]["max_model_len"]), "--json")
+    if json.loads(out)["plan"]["partition"] == d["plan"]["partition"]:
+        assert env_of(d["command"]) == {}
+    else:
+        assert env_of(d["command"]) == {"VLLM_DUALGPU_OBJECTIVE": "pool"}
     # two equal cards: every split reads the same bytes, the default takes the largest pool too
     rc, out, err = plan(capsys, "--gpus", "RTX 5090,RTX 5090", "--kv-cache-dtype", "fp8", "--max-model-len", "auto",
                         "--json")
