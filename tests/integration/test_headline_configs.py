@@ -240,11 +240,17 @@ def test_the_planner_moves_layers_off_a_slower_card(models):
     """The split the speed mode compares with the fastest measured one: the pure planner, speed
     objective, for this pair with the measured bandwidths. A card with half the bandwidth gets
     fewer layers than with equal cards, and with the bandwidths the other way round the other
-    card does: the bandwidth decides. Every plan holds all 64 layers."""
+    card does: the bandwidth decides. Every plan holds all 64 layers.
+
+    With 4 GiB more free a card than the virtual pair (hl.FREE): there, since the plan charges the
+    Qwen3.5 family's input embedding on every rank, 262,144 tokens no longer fit (the largest is
+    244,800, at 20/44), and with 1 GiB more a card every bandwidth still gets 20/44: memory, not
+    the bandwidth, would decide."""
     d = models["fp8"]
-    equal = hl.planned_split(d, hl.FREE, TOTAL, [4800.0, 4800.0], "speed")
-    slow1 = hl.planned_split(d, hl.FREE, TOTAL, [4800.0, 2400.0], "speed")
-    slow0 = hl.planned_split(d, hl.FREE, TOTAL, [2400.0, 4800.0], "speed")
+    room = [f + 4.0 for f in hl.FREE]
+    equal = hl.planned_split(d, room, TOTAL, [4800.0, 4800.0], "speed")
+    slow1 = hl.planned_split(d, room, TOTAL, [4800.0, 2400.0], "speed")
+    slow0 = hl.planned_split(d, room, TOTAL, [2400.0, 4800.0], "speed")
     for p in (equal, slow1, slow0):
         assert sum(p["partition"]) == 64 and sorted(p["order"]) == [0, 1]
 
