@@ -642,15 +642,16 @@ def _hog_main(gpu: int, ready: str) -> None:
 
 def planned_split(model: Path, free_gib: list[float], total_gib: float, bw: list, objective: str) -> dict:
     """The pure planner's GPU order (rank 0 first) and split for this pair with the given
-    bandwidths (GB/s; None: the card's known figure)."""
-    from vllm_dualgpu.planner import GpuFacts, ModelSpec, PlanRequest, plan
+    bandwidths (GB/s; None: the card's known figure), at 262,144 tokens or, where that does not
+    fit, at the largest length that does (``max_model_len`` says which)."""
+    from vllm_dualgpu.planner import GpuFacts, ModelSpec, PlanRequest, fit
 
     gpus = [GpuFacts(index=i, name="NVIDIA H200", total_bytes=int(total_gib * GiB), free_bytes=int(f * GiB),
                      bandwidth_gbps=b, capability=(9, 0)) for i, (f, b) in enumerate(zip(free_gib, bw))]
     req = PlanRequest(max_model_len=MAX_MODEL_LEN, kv_cache_dtype="fp8", max_num_seqs=2, max_num_batched_tokens=1024,
                       speculative=dict(MTP), objective=objective)
-    p = plan(ModelSpec.from_hf_config(json.loads((model / "config.json").read_text())), gpus, req)
-    return {"order": list(p.order), "partition": list(p.partition)}
+    p = fit(ModelSpec.from_hf_config(json.loads((model / "config.json").read_text())), gpus, req).plan
+    return {"order": list(p.order), "partition": list(p.partition), "max_model_len": p.max_model_len}
 
 
 def speed_main(out: Path, launcher: str, total: float, sweep: range) -> dict:

@@ -259,6 +259,15 @@ def test_the_planner_moves_layers_off_a_slower_card(models):
 
     assert on_gpu(slow1, 1) < on_gpu(equal, 1)
     assert on_gpu(slow0, 0) < on_gpu(equal, 0)
+    assert equal["max_model_len"] == hl.MAX_MODEL_LEN
+
+
+def test_the_speed_modes_split_stands_where_262144_tokens_do_not_fit(models):
+    """On the virtual pair's room FP8 + MTP holds fewer than 262,144 tokens: the speed mode then
+    compares against the plan at the largest length that fits instead of stopping."""
+    p = hl.planned_split(models["fp8"], hl.FREE, TOTAL, [4800.0, 4800.0], "speed")
+    assert sum(p["partition"]) == 64
+    assert 0 < p["max_model_len"] < hl.MAX_MODEL_LEN
 
 
 def _sweep(readings):
