@@ -24,11 +24,14 @@ COMMON_BACKEND = "FLASHINFER"
 
 
 def decide_common_backend(capabilities: Iterable[tuple[int, int]], kv_cache_dtype: str,
-                          user_backend: object, specs_carry_alignment: bool) -> tuple[str | None, str]:
+                          user_backend: object, specs_carry_alignment: bool,
+                          uses_mla: bool = False) -> tuple[str | None, str]:
     """(the backend to set on every rank, or None; why)."""
     caps = sorted({(int(c[0]), int(c[1])) for c in capabilities if c is not None})
     if user_backend is not None:
         return None, f"the attention backend was chosen ({user_backend})"
+    if uses_mla:
+        return None, "the model uses MLA, whose backends are not FlashInfer's"
     if len(caps) < 2:
         return None, "the ranks share one compute capability"
     if not str(kv_cache_dtype).startswith("fp8"):
@@ -54,7 +57,7 @@ def apply_common_backend(vllm_config, capabilities: Iterable[tuple[int, int]]) -
     fields = getattr(AttentionSpec, "__dataclass_fields__", {})
     backend, why = decide_common_backend(
         capabilities, vllm_config.cache_config.cache_dtype, attention.backend,
-        "block_stride_alignment" in fields)
+        "block_stride_alignment" in fields, bool(getattr(vllm_config.model_config, "use_mla", False)))
     if backend is None:
         logger.debug("vllm-dualgpu: attention backend left to vLLM: %s", why)
         return None

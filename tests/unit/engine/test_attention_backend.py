@@ -27,3 +27,8 @@ def test_otherwise_vllm_chooses(caps, kv, user, aligned, reason):
     backend, why = decide_common_backend(caps, kv, user, aligned)
     assert backend is None
     assert reason in why
+
+
+def test_an_mla_model_keeps_vllms_choice():
+    backend, why = decide_common_backend([ADA, HOPPER], "fp8", None, True, uses_mla=True)
+    assert backend is None and "MLA" in why
