@@ -2,9 +2,9 @@
 
 vLLM picks each rank's attention backend from that rank's GPU. With an fp8 KV cache, ranks of
 different compute capability can pick different backends (seen on the virtual pair with vLLM
-0.33: FlashInfer on the capability-8.9 rank, FlashAttention on the 9.0 one). From vLLM 0.31 a
-layer's KV spec carries its backend's block-stride alignment (FlashInfer: a multiple of 64
-tokens; FlashAttention: none), so the two ranks' full-attention layers no longer merge into one
+0.33: FlashInfer on the capability-8.9 rank, FlashAttention on the 9.0 one). In vLLM 0.33 (not
+0.30) a layer's KV spec carries its backend's block-stride alignment (FlashInfer: a multiple of
+64 tokens; FlashAttention: none), so the two ranks' full-attention layers no longer merge into one
 KV cache group. vLLM then groups a Qwen3.5 hybrid's 65 KV layers in 22 groups of 3 instead of 4
 of 16/17, and a request claims blocks in six attention groups instead of one: on the headline's
 fp8-mtp arm (split 15/49) rank 0's 4.60 GiB held 112,000 tokens where one group holds 262,144.

@@ -267,9 +267,9 @@ def test_a_second_plan_in_one_process_does_not_take_the_first_as_the_users(make_
 
 
 def test_mixed_capabilities_with_fp8_kv_share_one_attention_backend(engine_config, tmp_path):
-    """vLLM 0.31+ KV specs carry the backend's block alignment; on the virtual pair (vLLM 0.33)
-    rank 0 picked FlashInfer and rank 1 FlashAttention, and their attention layers did not
-    group. The executor sets one backend in the config every worker receives."""
+    """vLLM 0.33's KV specs carry the backend's block alignment (0.30's do not); on the virtual
+    pair (vLLM 0.33) rank 0 picked FlashInfer and rank 1 FlashAttention, and their attention
+    layers did not group. The executor sets one backend in the config every worker receives."""
     import shutil
 
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
