@@ -27,11 +27,12 @@ def per_rank_max_len(vllm_config, kv_cache_specs, available: list[int]) -> list[
     :mod:`vllm_dualgpu.engine.vllm_kv` (0.32 changed the block-size helper, 0.33 moved
     them to ``kv_cache_planning`` behind the platform's KV config builder).
     """
-    return [lim for lim, _ in _per_rank(vllm_config, kv_cache_specs, available)]
+    return [lim for lim, _, _ in _per_rank(vllm_config, kv_cache_specs, available)]
 
 
-def _per_rank(vllm_config, kv_cache_specs, available: list[int]) -> list[tuple[int | None, int]]:
-    """(longest request, bytes one block takes) per rank, by vLLM's functions."""
+def _per_rank(vllm_config, kv_cache_specs, available: list[int]) -> list[tuple[int | None, int, int]]:
+    """(longest request, bytes one block takes, tokens a block holds) per rank, by vLLM's
+    functions; the block's tokens are the rank's KV specs' (the config's block size can differ)."""
     from vllm_dualgpu.engine import vllm_kv as kv
 
     groups = kv.model_kv_cache_groups(vllm_config, kv_cache_specs)
@@ -39,11 +40,12 @@ def _per_rank(vllm_config, kv_cache_specs, available: list[int]) -> list[tuple[i
     for specs, mem in zip(kv_cache_specs, available):
         projected = kv.project_groups(groups, specs)
         if not projected:
-            out.append((None, 0))
+            out.append((None, 0, 0))
             continue
         per_block = kv.pool_bytes_per_block(vllm_config, projected)
         usable = mem - per_block  # the null block
-        out.append((kv.estimate_max_model_len(vllm_config, projected, max(usable, 0)), per_block))
+        tokens = max(g.kv_cache_spec.block_size for g in projected)
+        out.append((kv.estimate_max_model_len(vllm_config, projected, max(usable, 0)), per_block, tokens))
     return out
 
 
@@ -52,7 +54,7 @@ def check_context_fits(vllm_config, kv_cache_specs, available: list[int], applie
     if mc.original_max_model_len == -1 or cc.num_gpu_blocks_override is not None:
         return  # vLLM fits the length itself / the user fixed the pool
     measured = _per_rank(vllm_config, kv_cache_specs, available)
-    known = [(lim, r) for r, (lim, _) in enumerate(measured) if lim is not None]
+    known = [(lim, r) for r, (lim, _, _) in enumerate(measured) if lim is not None]
     if not known:
         return
     largest, rank = min(known)
@@ -60,10 +62,9 @@ def check_context_fits(vllm_config, kv_cache_specs, available: list[int], applie
         return
     gpus = getattr(applied, "gpus", None)
     where = f"rank {rank}" + (f" ({gpus[rank].name})" if gpus else "")
-    block = cc.block_size
     per_rank = ", ".join(
         f"rank {r}: {lim:,} tokens in {available[r] / GiB:.2f} GiB, "
-        f"{_size(measured[r][1])} a block" + (f" of {block:,} tokens" if block else "")
+        f"{_size(measured[r][1])} a block of {measured[r][2]:,} tokens"
         for lim, r in known
     )
     raise ContextDoesNotFit(
