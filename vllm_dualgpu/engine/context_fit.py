@@ -36,7 +36,7 @@ def _per_rank(vllm_config, kv_cache_specs, available: list[int]) -> list[tuple[i
     from vllm_dualgpu.engine import vllm_kv as kv
 
     groups = kv.model_kv_cache_groups(vllm_config, kv_cache_specs)
-    out: list[tuple[int | None, int]] = []
+    out: list[tuple[int | None, int, int]] = []
     for specs, mem in zip(kv_cache_specs, available):
         projected = kv.project_groups(groups, specs)
         if not projected:

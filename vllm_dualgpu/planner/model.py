@@ -1,8 +1,9 @@
 """What a model costs in memory, read from its Hugging Face ``config.json``.
 
 :class:`ModelSpec` holds, per decoder layer, its type (full attention or Gated DeltaNet linear
-attention), its weight bytes and the bytes one decode step reads; plus the embedding (rank 0; every rank for the Qwen3.5 / Qwen3-Next family),
-the output head (last rank), the vision tower (rank 0) and the model's own MTP layers.
+attention), its weight bytes and the bytes one decode step reads; plus the embedding (rank 0;
+every rank for the Qwen3.5 / Qwen3-Next family), the output head (last rank), the vision tower
+(rank 0) and the model's own MTP layers.
 :class:`DrafterSpec` is a speculative-decoding drafter (MTP, EAGLE, DFlash, a draft model),
 which vLLM places on the last pipeline rank. Parameter shapes follow vLLM 0.30's model code
 (``qwen3.py``, ``qwen3_next.py``, ``qwen3_5.py``, ``qwen3_5_mtp.py``, ``qwen3_vl.py``,
