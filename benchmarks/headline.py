@@ -119,8 +119,9 @@ DECODE_TOKENS = 64
 H200_TOTAL_GIB = 143771 / 1024  # what NVML reports for an H200 (the planner's KNOWN_GPUS)
 EXPERT_WORKER = "virtual_expert_worker.VirtualPairExpertWorker"
 # On the virtual pair the expert's rank 1 runs as capability 9.0, where vLLM 0.33 picks
-# FlashAttention for an fp8 KV cache; the real RTX 5090 (12.0) has no fp8-KV FlashAttention and
-# picks FlashInfer, as the 4070 Ti SUPER does. The expert arm is held to what the real pair runs
+# FlashAttention for an fp8 KV cache; on the real RTX 5090 (12.0) vLLM's selection code finds no
+# fp8-KV FlashAttention and picks FlashInfer, as on the 4070 Ti SUPER (read from vLLM 0.33's
+# platforms/cuda.py and flash_attn.py, not run on those cards). The expert arm is held to that
 # (two backends would also split vLLM's KV groups: docs/device-identity.md).
 EXPERT_VIRTUAL_ATTENTION = "FLASHINFER"
 
