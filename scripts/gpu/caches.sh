@@ -7,10 +7,10 @@
 # A fresh machine spends minutes of a first boot compiling: Triton kernels (the GDN and attention
 # kernels, autotuned), torch.compile's graphs and Inductor's kernels. These are keyed by source,
 # shapes and device, so a later machine with the same GPU and vLLM reuses them. save packs
-# Triton's cache, vLLM's cache root (torch_compile_cache) and Inductor's folder, in parts of at
-# most PART_MIB (default 15; zstd, or gzip where zstd is missing, named by which); if they come
+# Triton's cache, vLLM's cache root (torch_compile_cache) and Inductor's folder, in gzip parts of
+# at most PART_MIB (default 15; gzip because the GPU machines have no zstd); if they come
 # to more than 45 MiB, Inductor's folder is left out and then vLLM's, Triton's cache being the
-# largest saving. load is a no-op without parts.
+# largest saving. load is a no-op without parts; it also reads zstd parts where zstd is installed.
 set -euo pipefail
 verb=${1:?usage: caches.sh save OUTDIR [PART_MIB] | load DIR}
 dir=${2:?usage: caches.sh save OUTDIR [PART_MIB] | load DIR}
@@ -19,7 +19,7 @@ VLLM_ROOT=${VLLM_CACHE_ROOT:-$HOME/.cache/vllm}
 INDUCTOR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/torchinductor_$(id -un)}
 case "$verb" in
   save)
-    if command -v zstd >/dev/null; then ext=zst Z=(zstd -q -T0 -15); else ext=gz Z=(gzip -6); fi
+    ext=gz Z=(gzip -6)
     mkdir -p "$dir"
     sets=("$TRITON $VLLM_ROOT $INDUCTOR" "$TRITON $VLLM_ROOT" "$TRITON")
     for set in "${sets[@]}"; do
@@ -37,7 +37,9 @@ case "$verb" in
     rm -f "$dir/caches.tar.$ext"
     echo "caches.sh: saved $(echo $paths) in $(ls "$dir"/caches.tar.$ext.* | wc -l) parts, $mib MiB" ;;
   load)
-    if ls "$dir"/caches.tar.zst.[0-9][0-9] >/dev/null 2>&1; then ext=zst UNZ=(zstd -q -d)
+    if ls "$dir"/caches.tar.zst.[0-9][0-9] >/dev/null 2>&1; then
+      command -v zstd >/dev/null || { echo "caches.sh: $dir holds zstd parts and zstd is not installed: install zstd, or save the caches again (saves are gzip now)" >&2; exit 1; }
+      ext=zst UNZ=(zstd -q -d)
     elif ls "$dir"/caches.tar.gz.[0-9][0-9] >/dev/null 2>&1; then ext=gz UNZ=(gzip -d)
     else echo "caches.sh: no parts in $dir"; exit 0; fi
     cat "$dir"/caches.tar.$ext.[0-9][0-9] | "${UNZ[@]}" | tar xf - -C /

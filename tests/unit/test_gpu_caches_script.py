@@ -48,3 +48,32 @@ def test_load_without_parts_changes_nothing(tmp_path):
 def test_an_unknown_verb_is_refused(tmp_path):
     r = run("keep", str(tmp_path), home=tmp_path, inductor=tmp_path / "ind")
     assert r.returncode == 2 and "unknown verb keep" in r.stderr
+
+
+def test_parts_are_gzip_which_every_machine_unpacks(tmp_path):
+    """The GPU machines have gzip but no zstd: a zstd part saved elsewhere did not load there."""
+    home, inductor, out = tmp_path / "home", tmp_path / "inductor", tmp_path / "out"
+    (home / ".triton" / "cache").mkdir(parents=True)
+    (home / ".triton" / "cache" / "k.bin").write_bytes(b"kernel")
+    saved = run("save", str(out), home=home, inductor=inductor)
+    assert saved.returncode == 0, saved.stderr
+    assert [p.name for p in out.iterdir()] == ["caches.tar.gz.00"]
+
+
+def test_zstd_parts_without_zstd_are_refused_in_one_line(tmp_path):
+    """Loading zstd parts where zstd is missing says so and fails, instead of tar's noise."""
+    part = tmp_path / "parts" / "caches.tar.zst.00"
+    part.parent.mkdir()
+    part.write_bytes(b"\x28\xb5\x2f\xfd not really")
+    bin_dir = tmp_path / "bin"  # a PATH with the tools the script needs, and no zstd
+    bin_dir.mkdir()
+    for tool in ("bash", "cat", "tar", "ls", "gzip", "wc", "split", "stat", "rm", "mkdir"):
+        found = subprocess.run(["bash", "-c", f"command -v {tool}"], capture_output=True, text=True).stdout.strip()
+        if found:
+            (bin_dir / tool).symlink_to(found)
+    env = {**os.environ, "HOME": str(tmp_path / "home"), "PATH": str(bin_dir)}
+    r = subprocess.run([str(bin_dir / "bash"), str(SCRIPT), "load", str(part.parent)], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert r.stderr.strip().splitlines() == [f"caches.sh: {part.parent} holds zstd parts and zstd is not installed: "
+                                             "install zstd, or save the caches again (saves are gzip now)"]
