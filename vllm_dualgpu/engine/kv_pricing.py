@@ -222,7 +222,7 @@ def reprice(vllm_config, plan, search: Callable) -> tuple[object, VllmPool | Non
                 if specs is None:  # the layers stay; only the split moves between rounds
                     specs = layer_specs(vllm_config, mirror)
                 ranks = rank_specs(specs, mirror, plan.partition)
-                budgets = [r.kv_budget_bytes for r in plan.ranks]
+                budgets = plan.grouping_budgets()
                 groups = groups_for_ranks(vllm_config, ranks, budgets)
                 priced = mirror.regrouped(priced_groups(vllm_config, groups))
                 pool = vllm_pool(vllm_config, groups, ranks, budgets)

@@ -164,6 +164,8 @@ def apply_plan(vllm_config) -> AppliedPlan:
         f"{result.num_blocks:,}",
         f"{result.max_context_tokens:,}",
     )
+    for warning in result.warnings:  # a hand-set pool the plan finds tight: it runs as set
+        logger.warning("vllm-dualgpu: %s", warning)
     trade = result.trade_line()  # the pool objective's split, when the speed rule chose another
     if trade:
         logger.info("%s", trade)

@@ -149,4 +149,5 @@ def plan_table(p) -> str:
         lines.append("User overrides honoured: " + ", ".join(f"{k}={v}" for k, v in p.overrides.items()))
     for n in p.notes if not p.passthrough else []:
         lines.append(f"Note: {n}")
+    lines.extend(f"Warning: {w}" for w in p.warnings)
     return "\n".join(lines) + "\n"

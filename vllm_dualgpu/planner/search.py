@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from vllm_dualgpu.planner.errors import BadRequest, ContextTooLong, ModelDoesNotFit, PlanError
 from vllm_dualgpu.planner.gpus import GpuFacts
 from vllm_dualgpu.planner.kv import DEFAULT_KERNEL_BLOCK_ALIGNMENT, KVLayout
-from vllm_dualgpu.planner.memory import MemoryModel, default_batch_limits, runtime_reserve
+from vllm_dualgpu.planner.memory import MIB, MemoryModel, default_batch_limits, runtime_reserve
 from vllm_dualgpu.planner.model import DrafterSpec, ModelSpec
 from vllm_dualgpu.planner.objective import DEFAULT_OBJECTIVE, OBJECTIVES, PoolAlternative, rule, select, trade_line
 
@@ -155,6 +155,9 @@ class Plan:
     objective: str = "pool"
     """The rule that chose the split: "speed" or "pool" (planner/objective.py)."""
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    """What the user set that the plan expects to fail or run tight (a hand-set pool past the
+    plan's estimates): printed by `plan`, logged as WARNING by the executor."""
     candidates: int = 0
     drafter: DrafterSpec | None = None
     max_num_batched_tokens: int = 0
@@ -175,6 +178,13 @@ class Plan:
     def max_concurrency(self) -> float:
         per = self.kv.blocks_per_request(self.max_model_len) if self.max_model_len > 0 else 0
         return self.num_blocks / per if per else 0.0
+
+    def grouping_budgets(self) -> list[int]:
+        """Each rank's KV memory as vLLM's grouping sees it (the package's KV patches group for
+        the tightest rank): ``--kv-cache-memory-bytes`` on every rank where set (vLLM then skips
+        its profile), else the plan's KV budget."""
+        fixed = self.overrides.get("kv_cache_memory_bytes")
+        return [int(fixed) if fixed is not None else r.kv_budget_bytes for r in self.ranks]
 
     def partition_env(self) -> str | None:
         """The ``VLLM_PP_LAYER_PARTITION`` value, or None when vLLM runs as stock (PP=1)."""
@@ -228,6 +238,7 @@ class Plan:
             "pool_alternative": self.pool_alternative.to_dict() if self.pool_alternative else None,
             "overrides": dict(self.overrides),
             "notes": list(self.notes),
+            "warnings": list(self.warnings),
             "candidates": self.candidates,
             "ranks": [r.to_dict() for r in self.ranks],
         }
@@ -325,6 +336,7 @@ class _Context:
         self.model = model
         self.request = request
         self.pp = pp
+        self.warnings: list[str] = []
         self.gpus = gpus_by_index
         mm = request.memory
         self.mm = mm
@@ -478,17 +490,23 @@ class _Candidate:
     max_ctx: int
     decode_ms: float | None
     shortfall: list[int]  # bytes each rank is short of weights+fixed+reserve+minimal KV (<=0: fits)
+    # the same without the runtime reserve and the memory kept free: what a user-set pool may use
+    hard_shortfall: list[int] | None = None
 
     @property
     def fits(self) -> bool:
         return all(s <= 0 for s in self.shortfall)
+
+    @property
+    def fits_hard(self) -> bool:
+        return self.hard_shortfall is not None and all(s <= 0 for s in self.hard_shortfall)
 
 
 def _evaluate(ctx: _Context, order: tuple[int, ...], partition: tuple[int, ...], decode_tokens: int) -> _Candidate:
     req = ctx.request
     pp = len(partition)
     start = 0
-    bpbs, budgets, avails, blocks, shorts = [], [], [], [], []
+    bpbs, budgets, avails, blocks, shorts, hard = [], [], [], [], [], []
     decode_ms: float | None = 0.0
     for r, n in enumerate(partition):
         end = start + n
@@ -499,6 +517,7 @@ def _evaluate(ctx: _Context, order: tuple[int, ...], partition: tuple[int, ...],
         if req.num_gpu_blocks_override is not None:
             avail = req.num_gpu_blocks_override * bpb
             short = avail - kv_budget
+            hard.append(short - cost.runtime_reserve_bytes - gpu.reserve_bytes)
         elif req.kv_cache_memory_bytes is not None:
             avail = req.kv_cache_memory_bytes
             short = max(avail, ctx.min_blocks * bpb) - kv_budget
@@ -517,7 +536,8 @@ def _evaluate(ctx: _Context, order: tuple[int, ...], partition: tuple[int, ...],
         start = end
     num_blocks = req.num_gpu_blocks_override if req.num_gpu_blocks_override is not None else min(blocks)
     max_ctx = ctx.kv.max_len_for_blocks(num_blocks) if num_blocks > 0 else 0
-    return _Candidate(order, tuple(partition), bpbs, budgets, avails, blocks, num_blocks, max_ctx, decode_ms, shorts)
+    return _Candidate(order, tuple(partition), bpbs, budgets, avails, blocks, num_blocks, max_ctx, decode_ms, shorts,
+                      hard if req.num_gpu_blocks_override is not None else None)
 
 
 def _rank_plans(ctx: _Context, c: _Candidate, decode_tokens: int) -> list[RankPlan]:
@@ -646,15 +666,15 @@ def _fit_grouped(
     the KV cache is grouped as the package's KV patches group it for the chosen split and each
     rank's KV budget, and the split searched again with that grouping until it keeps it, as
     the executor does with vLLM's own functions (engine/kv_pricing.reprice)."""
-    f = _fit_once(model, gpus, request, kv_layout=kv_layout, _check_stock=_check_stock)
     request = request or PlanRequest()
+    f = _fit_once(model, gpus, request, kv_layout=kv_layout, _check_stock=_check_stock)
     if kv_layout is not None or request.kv_grouping != "dualgpu" or f.plan.passthrough:
         return f
     length = f.requested_max_model_len or model.max_position_embeddings
     tried: list[tuple[int, ...]] = []
     for round_ in range(GROUPING_ROUNDS):
         p = f.plan
-        layout = p.kv.per_rank_grouping(p.partition, [r.kv_budget_bytes for r in p.ranks], length)
+        layout = p.kv.per_rank_grouping(p.partition, p.grouping_budgets(), length)
         if layout.same_grouping(p.kv) or round_ == GROUPING_ROUNDS - 1 or tuple(p.partition) in tried:
             break
         tried.append(tuple(p.partition))
@@ -748,6 +768,13 @@ def _fit_once(
     orders = _orders(used, request.gpu_order is not None)
     cands = [_evaluate(ctx, o, tuple(p), decode_tokens) for o in orders for p in partitions]
     fitting = [c for c in cands if c.fits and c.num_blocks >= ctx.min_blocks]
+    if not fitting and request.num_gpu_blocks_override is not None:
+        # The user owns the pool (vLLM does not check the override against memory): a pool the
+        # plan's estimates call tight runs as set, with a warning; one past the card is refused.
+        tight = [c for c in cands if c.fits_hard]
+        if tight:
+            fitting = [min(tight, key=lambda c: (max(c.shortfall), sum(max(s, 0) for s in c.shortfall)))]
+            ctx.warnings.append(_tight_note(ctx, fitting[0], request.num_gpu_blocks_override))
     if not fitting:
         worst = min(cands, key=lambda c: (max(c.shortfall), sum(max(s, 0) for s in c.shortfall)))
         r = max(range(pp), key=lambda i: worst.shortfall[i])
@@ -790,6 +817,14 @@ def _fit_once(
     chosen_plan = _make_plan(ctx, chosen, final_len, decode_tokens, overrides, notes, len(cands), auto_fit,
                              rule_=rule_, held=held)
     return Fit(chosen_plan, True, target, largest)
+
+
+def _tight_note(ctx: _Context, c: _Candidate, override: int) -> str:
+    shorts = [f"rank {r} ({ctx.gpus[c.order[r]].name}) is predicted short by {s / MIB:.2f} MiB"
+              for r, s in enumerate(c.shortfall) if s > 0]
+    return (f"--num-gpu-blocks-override {override}: {', '.join(shorts)} of the memory the plan keeps for "
+            "vLLM's profile and the reserve; vLLM does not check the override against memory, so it runs "
+            "as you set it: if a rank runs out of memory, lower the override")
 
 
 def _choose(ctx: _Context, cands: list[_Candidate], length: int | None, objective: str, auto_fit: bool,
@@ -847,7 +882,8 @@ def _make_plan(ctx: _Context, c: _Candidate, max_model_len: int, decode_tokens: 
     ranks = _rank_plans(ctx, c, decode_tokens)
     notes = list(notes) + list(ctx.kv.notes)
     if ctx.request.num_gpu_blocks_override is not None:
-        notes.append("--num-gpu-blocks-override: vLLM does not check this against free memory; the plan does")
+        notes.append("--num-gpu-blocks-override: vLLM does not check this against free memory; the plan refuses "
+                     "a pool past a card and warns of one past its estimates")
     if ctx.drafter is not None and ctx.drafter.embed_bytes and not ctx.request.drafter_shares_embedding:
         notes.append(
             "the drafter loads its own copy of the embedding on the last rank under PP "
@@ -873,6 +909,7 @@ def _make_plan(ctx: _Context, c: _Candidate, max_model_len: int, decode_tokens: 
         passthrough=False,
         objective=rule_,
         notes=notes,
+        warnings=list(ctx.warnings),
         candidates=n,
         drafter=ctx.drafter,
         max_num_batched_tokens=ctx.max_num_batched_tokens,

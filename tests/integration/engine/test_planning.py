@@ -294,3 +294,14 @@ def test_mixed_capabilities_with_fp8_kv_share_one_attention_backend(engine_confi
     bf16 = make()
     apply_common_backend(bf16, [(8, 9), (9, 0)])
     assert bf16.attention_config.backend is None
+
+
+def test_a_hand_set_pool_past_the_plan_runs_with_a_warning(make_config, big_first_pair, monkeypatch, lines):
+    """--num-gpu-blocks-override 10 blocks past the largest pool of any split: vLLM does not check
+    it, so the executor does not refuse it either; it says which rank it expects short."""
+    monkeypatch.setenv("VLLM_DUALGPU_OBJECTIVE", "pool")
+    planned = apply.apply_plan(make_config()).plan
+    applied = apply.apply_plan(make_config(num_gpu_blocks_override=planned.num_blocks + 10)).plan
+    assert applied.num_blocks == planned.num_blocks + 10
+    assert [x for x in lines.messages if x.startswith(f"vllm-dualgpu: --num-gpu-blocks-override {applied.num_blocks}: rank ")
+            and "is predicted short by" in x and x.endswith("lower the override")], lines.messages
