@@ -27,21 +27,16 @@ max_model_len 262,144, --max-num-seqs 2 --max-num-batched-tokens 1024, prefix ca
 Arms per launcher, each ``vllm.LLM`` in a fresh process group with a time limit:
 
 1. expert: the launcher's own flags as the reference setup writes them (EXPERT: split, block size,
-   block count, KV bytes, PIECEWISE CUDA graphs, FlashInfer autotune off, the drafter's flags);
-   stock vLLM's ``mp`` backend. Adapted to the pair (see expert_env): on two GPUs only the GPU
-   order (the small card is index 0 here, CUDA_VISIBLE_DEVICES=0,1 instead of 1,0). On the
-   virtual pair both ranks run on GPU 0: ``ParallelConfig.assigned_physical_gpu_ids=[0, 0]`` and
-   a distinct ``NCCL_HOSTID`` per worker process (so NCCL does not take the two ranks for one
-   device), set by a worker class (virtual_expert_worker.py) since vLLM's ``--device-ids``
-   refuses a repeated id; ``NCCL_SOCKET_IFNAME=lo``; spawned workers; FlashInfer attention on both
-   ranks, as the real cards pick it (EXPERT_VIRTUAL_ATTENTION). The expert's hand-set
-   block count and split are what make its memory fit, as on the real cards; its per-rank cap
-   CANNOT be enforced without the plugin (stock vLLM knows nothing of 16 and 32 GiB cards on one
-   GPU): each rank's measured peak is compared with its card's size afterwards instead. The
-   free-memory check that vLLM still makes with --kv-cache-memory-bytes is passed with the
-   highest utilization that fits the smaller card (utilizations()), as a user would find it.
-   vLLM runs with this package installed: its patches that are not tied to the dualgpu executor
-   stay active (the reference setup's own patches did the same work for it).
+   KV bytes, PIECEWISE CUDA graphs, FlashInfer autotune off, the drafter's flags) through the
+   dualgpu executor. The reference ran vLLM with its own patches; this package's patches are
+   their port and apply only in a dualgpu run (stock vLLM refuses DFlash under PP: "does not
+   support dflash with pipeline parallelism", twelfth session), so the expert runs there with
+   every flag of its own honoured, and on the virtual pair each rank is held to its card as the
+   real card holds it. Adapted (see expert_kwargs): the block count is one 262,144-token request
+   under the grouping vLLM 0.33 runs with the package (EXPERT_BLOCKS; the reference's 375 / 180
+   were one request under its own grouping, without vLLM's null block); the plan's reserves do
+   not apply to a hand-set pool (a pool past them is a warning, past a card a refusal); on two
+   GPUs the small card is index 0 here (CUDA_VISIBLE_DEVICES=0,1 instead of 1,0).
 2. plugin: ``--distributed-executor-backend dualgpu`` and the serving flags, nothing else.
 3. split-2 / split+2: the plugin with VLLM_PP_LAYER_PARTITION at its own split -2 and +2 layers;
    the expert's split too (split-at-expert: the plugin's per-step cost against the expert's on
@@ -105,6 +100,14 @@ EXPERT = {
     "fp8-dflash2": {"partition": [21, 43], "block_size": 1664, "num_gpu_blocks_override": 375},
     "fp8-mtp": {"partition": [20, 44], "block_size": None, "num_gpu_blocks_override": 180},
 }
+# What the expert arm runs: the reference's rule (one 262,144-token request) under the KV grouping
+# vLLM 0.33 forms with this package's patches for 9e9 bytes on each rank. At 19/45 that grouping
+# is the reference's (2 attention + 6 GDN groups of 8, the window group): 2 x 158 + 6 x 9 + 5 + 1
+# null block = 376. At 13/51 and 21/43 it is 4 groups of 16 and the window group: 158 + 3 x 9 + 5
+# + 1 = 191 (the reference's 375 there would be 375 blocks of that larger grouping: past the RTX
+# 5090). MTP's 180 already counts the null block. tests/integration/test_expert_flags_plan.py
+# prices two of them by hand; test_headline_configs.py holds every one to the planner's grouping.
+EXPERT_BLOCKS = {"nvfp4-dflash2": 191, "w8a16-dflash2": 376, "fp8-dflash2": 191, "fp8-mtp": 180}
 EXPERT_COMMON = {"kv_cache_memory_bytes": 9_000_000_000, "cudagraph_mode": "PIECEWISE"}
 MTP_BLOCK = 1600  # vLLM's hybrid block size at 3 MTP tokens (the MTP launcher's BLOCK)
 SPLIT_STEPS = (-2, 2)
@@ -117,13 +120,6 @@ SPLIT_MEASURES = ("short", "mid")  # the split arms: pool and ms/step
 LONG, MID, SHORT, TURN = 250_000, 32_768, 64, 33_000
 DECODE_TOKENS = 64
 H200_TOTAL_GIB = 143771 / 1024  # what NVML reports for an H200 (the planner's KNOWN_GPUS)
-EXPERT_WORKER = "virtual_expert_worker.VirtualPairExpertWorker"
-# On the virtual pair the expert's rank 1 runs as capability 9.0, where vLLM 0.33 picks
-# FlashAttention for an fp8 KV cache; on the real RTX 5090 (12.0) vLLM's selection code finds no
-# fp8-KV FlashAttention and picks FlashInfer, as on the 4070 Ti SUPER (read from vLLM 0.33's
-# platforms/cuda.py and flash_attn.py, not run on those cards). The expert arm is held to that
-# (two backends would also split vLLM's KV groups: docs/device-identity.md).
-EXPERT_VIRTUAL_ATTENTION = "FLASHINFER"
 
 
 @dataclasses.dataclass
@@ -183,23 +179,18 @@ def pair_env(virtual: str | None) -> dict:
 
 
 def expert_env(launcher: str, virtual: str | None) -> dict:
-    """The expert's environment: its split, its GPU order adapted to the pair (see the module
-    docstring); on the virtual pair both ranks on GPU 0 through EXPERT_WORKER."""
+    """The expert's environment: its split, and the pair (the virtual cards, or on two GPUs the
+    small card first by index)."""
     env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID",
            "VLLM_PP_LAYER_PARTITION": ",".join(map(str, EXPERT[launcher]["partition"]))}
-    if not virtual:
-        return {**env, "CUDA_VISIBLE_DEVICES": "0,1"}
-    path = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))  # keep a staged vLLM's
-    return {**env, "CUDA_VISIBLE_DEVICES": "0", "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
-            "NCCL_SOCKET_IFNAME": "lo", "PYTHONPATH": path}
+    return {**pair_env(virtual), **env} if virtual else {**env, "CUDA_VISIBLE_DEVICES": "0,1"}
 
 
-def expert_kwargs(launcher: str, base: dict, utilization: float, virtual: str | None) -> dict:
+def expert_kwargs(launcher: str, base: dict) -> dict:
     e = EXPERT[launcher]
     block = e["block_size"] or MTP_BLOCK
     spec = {**base["speculative_config"], "disable_eagle_block_drop": True}
-    kw = {**base, "distributed_executor_backend": "mp", "gpu_memory_utilization": utilization,
-          "num_gpu_blocks_override": e["num_gpu_blocks_override"],
+    kw = {**base, "distributed_executor_backend": "dualgpu", "num_gpu_blocks_override": EXPERT_BLOCKS[launcher],
           "kv_cache_memory_bytes": EXPERT_COMMON["kv_cache_memory_bytes"],
           "compilation_config": {"cudagraph_mode": EXPERT_COMMON["cudagraph_mode"]},
           "prefix_cache_retention_interval": block}
@@ -209,9 +200,6 @@ def expert_kwargs(launcher: str, base: dict, utilization: float, virtual: str | 
         spec["attention_backend"] = "TRITON_ATTN"  # the drafter only (the launchers' DRAFT_ATTN)
         kw["enable_flashinfer_autotune"] = False
     kw["speculative_config"] = spec
-    if virtual:
-        kw["worker_cls"] = EXPERT_WORKER
-        kw["attention_backend"] = EXPERT_VIRTUAL_ATTENTION
     return kw
 
 
@@ -228,8 +216,7 @@ def arm_specs(launcher: str, model: Path, *, total_gib: float, drafter: Path | N
         arms.append(Arm(f"{launcher}/stock-default", "stock", launcher, dict(stock), dict(order)))
         arms += [Arm(f"{launcher}/stock-u{u:.2f}", "stock", launcher, {**stock, "gpu_memory_utilization": u},
                      dict(order)) for u in utilizations(free_gib, total_gib)]
-    arms.append(Arm(f"{launcher}/expert", "expert", launcher,
-                    expert_kwargs(launcher, base, utilizations(free_gib, total_gib)[0], virtual),
+    arms.append(Arm(f"{launcher}/expert", "expert", launcher, expert_kwargs(launcher, base),
                     expert_env(launcher, virtual)))
     plugin = {**base, "distributed_executor_backend": "dualgpu"}
     arms.append(Arm(f"{launcher}/plugin", "plugin", launcher, dict(plugin), pair_env(virtual)))

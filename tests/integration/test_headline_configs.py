@@ -66,33 +66,23 @@ def test_the_arms_are_the_issues_on_the_virtual_pair(tmp_path):
     for name, part in (("split-2", "22,42"), ("split+2", "26,38"), ("split-at-expert", "20,44")):
         assert a[name].kwargs == a["plugin"].kwargs and a[name].env["VLLM_PP_LAYER_PARTITION"] == part
         assert a[name].env["VLLM_DUALGPU_VIRTUAL_GPUS"] == spec
-    # the expert: stock vLLM, its launcher's flags, both ranks on GPU 0 through the worker class
+    # the expert: its launcher's flags through the dualgpu executor (the package's patches are the
+    # reference's), on the virtual pair like the plugin; the attention backend left to the plugin
     e = a["expert"]
-    assert e.kwargs["distributed_executor_backend"] == "mp" and e.kwargs["worker_cls"] == hl.EXPERT_WORKER
+    assert e.kwargs["distributed_executor_backend"] == "dualgpu"
+    assert not {"worker_cls", "gpu_memory_utilization", "attention_backend"} & set(e.kwargs)
     assert e.kwargs["num_gpu_blocks_override"] == 180 and "block_size" not in e.kwargs  # vLLM's 1,600
     assert e.kwargs["prefix_cache_retention_interval"] == 1600
-    assert e.kwargs["kv_cache_memory_bytes"] == 9 * 10**9 and e.kwargs["gpu_memory_utilization"] == 0.11
+    assert e.kwargs["kv_cache_memory_bytes"] == 9 * 10**9
     assert e.kwargs["compilation_config"] == {"cudagraph_mode": "PIECEWISE"}
     assert e.kwargs["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 3,
                                               "disable_eagle_block_drop": True}
     assert "enable_flashinfer_autotune" not in e.kwargs  # the MTP launcher does not pass it
-    assert e.env["VLLM_PP_LAYER_PARTITION"] == "20,44" and e.env["CUDA_VISIBLE_DEVICES"] == "0"
-    assert e.env["NCCL_SOCKET_IFNAME"] == "lo" and e.env["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
-    assert "VLLM_DUALGPU_VIRTUAL_GPUS" not in e.env
+    assert e.env == {**a["plugin"].env, "VLLM_PP_LAYER_PARTITION": "20,44"}
     # without arm 2's split there are no split arms; a split equal to the plugin's is not rerun
     assert [x.kind for x in hl.arm_specs("fp8-mtp", tmp_path, total_gib=TOTAL, virtual=spec)].count("split") == 0
     same = by_name(hl.arm_specs("fp8-mtp", tmp_path, total_gib=TOTAL, chosen=[20, 44], virtual=spec))
     assert [n for n in same if n.startswith("split")] == ["split-2", "split+2"]
-
-
-def test_the_expert_keeps_the_python_path_it_was_started_with(tmp_path, monkeypatch):
-    """The worker class's folder goes in front of PYTHONPATH; what was there (a staged vLLM)
-    stays: replacing it left the expert's workers without vLLM."""
-    monkeypatch.setenv("PYTHONPATH", "/staged/site")
-    env = hl.expert_env("fp8-mtp", hl.VIRTUAL)
-    assert env["PYTHONPATH"].split(":") == [str(Path(hl.__file__).resolve().parent), "/staged/site"]
-    monkeypatch.delenv("PYTHONPATH")
-    assert hl.expert_env("fp8-mtp", hl.VIRTUAL)["PYTHONPATH"] == str(Path(hl.__file__).resolve().parent)
 
 
 def test_the_dflash2_launchers_take_the_experts_flags(tmp_path):
@@ -104,7 +94,7 @@ def test_the_dflash2_launchers_take_the_experts_flags(tmp_path):
                                                             "num_speculative_tokens": 7}
         e = a["expert"]
         assert e.env["VLLM_PP_LAYER_PARTITION"] == split
-        assert (e.kwargs["block_size"], e.kwargs["num_gpu_blocks_override"]) == (1664, 375)
+        assert (e.kwargs["block_size"], e.kwargs["num_gpu_blocks_override"]) == (1664, hl.EXPERT_BLOCKS[launcher])
         assert e.kwargs["prefix_cache_retention_interval"] == 1664
         assert e.kwargs["enable_flashinfer_autotune"] is False
         assert e.kwargs["speculative_config"] == {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 7,
@@ -115,28 +105,9 @@ def test_two_gpus_keep_ballast_order_and_the_stock_arms(tmp_path):
     a = by_name(hl.arm_specs("fp8-mtp", tmp_path, total_gib=TOTAL, chosen=CHOSEN))
     assert list(a)[:5] == ["stock-default", "stock-u0.11", "stock-u0.10", "stock-u0.09", "expert"]
     assert a["stock-default"].kwargs["distributed_executor_backend"] == "mp"
-    assert a["expert"].env["CUDA_VISIBLE_DEVICES"] == "0,1" and "worker_cls" not in a["expert"].kwargs
+    assert a["expert"].env == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "VLLM_PP_LAYER_PARTITION": "20,44",
+                               "CUDA_VISIBLE_DEVICES": "0,1"}
     assert a["plugin"].env == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
-
-
-def test_the_expert_worker_puts_each_rank_on_gpu_0_with_its_own_nccl_host(monkeypatch):
-    import types
-
-    import virtual_expert_worker as vw
-    from vllm.v1.worker.gpu_worker import Worker
-
-    seen = []
-    monkeypatch.setattr(Worker, "__init__", lambda self, cfg, lr, rank, dim, drv=False: seen.append((cfg, rank)))
-    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
-    hosts = []
-    for rank in (0, 1):
-        cfg = types.SimpleNamespace(parallel_config=types.SimpleNamespace(world_size=2, assigned_physical_gpu_ids=None))
-        monkeypatch.delenv("NCCL_HOSTID", raising=False)
-        vw.VirtualPairExpertWorker(cfg, rank, rank, "tcp://127.0.0.1:1")
-        assert cfg.parallel_config.assigned_physical_gpu_ids == [0, 0]
-        hosts.append(__import__("os").environ["NCCL_HOSTID"])
-        assert __import__("os").environ["NCCL_SOCKET_IFNAME"] == "lo"
-    assert len(set(hosts)) == 2 and [r for _, r in seen] == [0, 1]
 
 
 def test_the_model_is_the_bundled_reference_in_each_format(models):
@@ -176,7 +147,7 @@ def test_every_arm_builds_in_vllm(engine_config, models, monkeypatch, launcher):
                 mp.setenv(k, v)
             cfg = engine_config(**arm.kwargs)
             pc, cc, sc = cfg.parallel_config, cfg.cache_config, cfg.scheduler_config
-            assert executor(cfg) == ("DualGpuExecutor" if arm.kind in ("plugin", "split") else "mp"), arm.name
+            assert executor(cfg) == "DualGpuExecutor", arm.name
             assert pc.pipeline_parallel_size == 2, arm.name
             assert cfg.model_config.quantization == expected_q, arm.name
             assert cfg.model_config.max_model_len == 262144 and cc.cache_dtype == "fp8", arm.name
@@ -189,15 +160,16 @@ def test_every_arm_builds_in_vllm(engine_config, models, monkeypatch, launcher):
             assert cfg.model_config.is_multimodal_model, arm.name
             assert cc.enable_prefix_caching, arm.name
             if arm.kind == "expert":
-                blocks = 375 if dflash else 180
-                assert cc.num_gpu_blocks_override == blocks and (cc.block_size == 1664 or not dflash)
-                assert cc.kv_cache_memory_bytes == 9 * 10**9 and cc.gpu_memory_utilization == 0.11
-                assert pc.worker_cls == hl.EXPERT_WORKER
+                assert cc.num_gpu_blocks_override == hl.EXPERT_BLOCKS[launcher]
+                assert cc.block_size == 1664 or not dflash
+                assert cc.kv_cache_memory_bytes == 9 * 10**9
+                assert cc.gpu_memory_utilization == CacheConfig().gpu_memory_utilization  # the plugin sets it
                 assert spec.disable_eagle_block_drop is True
                 # PIECEWISE reaches vLLM's config (the CPU platform then turns CUDA graphs off)
                 assert EngineArgs(**arm.kwargs).compilation_config.cudagraph_mode.name == "PIECEWISE"
                 if dflash:
                     assert cfg.kernel_config.enable_flashinfer_autotune is False
+                preflight.check(cfg, 2)
             else:
                 assert cc.num_gpu_blocks_override is None and cc.kv_cache_memory_bytes is None, arm.name
                 # CUDA graphs as vLLM defaults them (the CPU platform turns them off here, so the
