@@ -391,7 +391,8 @@ class VllmServer:
         return self
 
     def __exit__(self, *exc) -> None:
-        stop_group(self.proc.pid)
+        # left by an error or an interrupt (a request that hung): its processes' stacks first
+        stop_group(self.proc.pid, dump=exc[0] is not None)
 
     def post(self, path: str, body: dict, timeout: float = 120) -> dict:
         req = urllib.request.Request(self.url(path), json.dumps(body).encode(), {"Content-Type": "application/json"})

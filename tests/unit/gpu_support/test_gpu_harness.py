@@ -121,3 +121,21 @@ def test_children_take_precompiled_kernels_unless_asked(tmp_path, monkeypatch):
     monkeypatch.delenv("VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER", raising=False)
     assert "VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER" not in child_env()
     assert run_llm(None, _job_env, log=tmp_path / "jit.log", timeout=60)["VLLM_DISABLED_KERNELS"] is None
+
+
+def test_a_server_left_by_an_error_writes_its_stacks_first(tmp_path):
+    """A request that hangs (the tenth and twelfth sessions' `vllm serve` PP=2 first completion)
+    ends the test with an error or the time limit's interrupt: the server's processes write their
+    stacks to its log before they are ended, so the log says where they waited."""
+    from gpu_harness import VllmServer
+
+    log = tmp_path / "serve.log"
+    server = VllmServer("model", [], log=log)
+    server.proc = start_group([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(600)"], log)
+    end = time.time() + 30
+    while "up" not in log.read_text() and time.time() < end:
+        time.sleep(0.1)
+    server.__exit__(KeyboardInterrupt, KeyboardInterrupt(), None)
+    assert not group_alive(server.proc.pid)
+    text = log.read_text()
+    assert "Fatal Python error: Aborted" in text and 'File "<string>", line 1' in text, text
