@@ -107,9 +107,7 @@ EXPERT = {
 # + 1 = 191 (the reference's 375 there would be 375 blocks of that larger grouping: past the RTX
 # 5090). MTP's 180 already counts the null block. tests/integration/test_expert_flags_plan.py
 # prices two of them by hand; tests/unit/test_headline_expert_blocks.py holds every one to the
-# planner's grouping. Not yet runnable for the DFlash2 arms: the executor, pricing with vLLM's
-# own functions, keeps vLLM's 15 groups there and refuses these pools at start
-# (tests/integration/engine/test_headline_expert_plan.py, strict xfail).
+# planner's grouping, tests/integration/engine/test_headline_expert_plan.py to the executor's.
 EXPERT_BLOCKS = {"nvfp4-dflash2": 191, "w8a16-dflash2": 376, "fp8-dflash2": 191, "fp8-mtp": 180}
 EXPERT_COMMON = {"kv_cache_memory_bytes": 9_000_000_000, "cudagraph_mode": "PIECEWISE"}
 MTP_BLOCK = 1600  # vLLM's hybrid block size at 3 MTP tokens (the MTP launcher's BLOCK)

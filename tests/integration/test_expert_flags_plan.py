@@ -2,8 +2,7 @@
 planner the same question (from the CLI's arguments and from vLLM's config), and the planner's
 answer is a pool that runs as set with a warning where its estimates call it tight (issue 28).
 This is the pure planner's answer; the executor's pricing with vLLM's own functions is
-tests/integration/engine/test_headline_expert_plan.py's, which for the DFlash2 splits still
-groups otherwise (strict xfail there).
+tests/integration/engine/test_headline_expert_plan.py's.
 
 The DFlash2 launchers as the reference writes them (the bundled reference's FP8 weights, which
 the executor reads from the checkpoint): 1,664-token blocks, --kv-cache-memory-bytes

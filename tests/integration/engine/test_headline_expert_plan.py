@@ -2,18 +2,6 @@
 launcher's own flags through the dualgpu executor start, with the expert's split and pool, and
 a pool past the plan's reserves is a WARNING, not a refusal. NVML is faked as one H200; the
 arms' engine arguments and environment are benchmarks/headline.py's.
-
-Found with this test (twelfth session) and not fixed yet: for the three DFlash2 arms (the
-expert's split and 1,664-token blocks) the executor's pricing with vLLM's own functions, under
-the package's grouping patch (patches/kv_cache_utils.choose_grouping), keeps vLLM's stock
-grouping (15 groups: 727 blocks a 262,144-token request), where the planner's mirror
-(KVLayout.per_rank_grouping) picks 4 groups of 16 and the window group (190 blocks). The pool
-set for the mirror's grouping then holds 38,272 / 116,480 / 59,904 tokens and the executor
-refuses the arm at start. The same happens without --kv-cache-memory-bytes. At zero flags the
-two agree (tests/integration/engine/test_kv_pricing_dflash.py). Which of the two is wrong is the
-next step: the patch's cost is vLLM's `max_memory_usage_bytes` per group summed on each rank,
-the mirror's is bytes per block times blocks per request, and the patch returns the stock
-grouping outright when some layer is on no rank's list.
 """
 
 from __future__ import annotations
@@ -28,7 +16,6 @@ from plan_exports import restore_environ  # noqa: F401  (autouse: the plan's exp
 from vllm_dualgpu import envs
 from vllm_dualgpu.engine import planning as apply
 from vllm_dualgpu.nvml import VisibleGpu
-from vllm_dualgpu.planner import PlanError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
 import headline as hl  # noqa: E402
@@ -47,6 +34,20 @@ def models(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module", autouse=True)
+def engine_patches():
+    """The engine's patches, as in the EngineCore process where the executor plans (the KV
+    grouping patches among them: without them vLLM's functions price vLLM's own grouping)."""
+    import vllm.platforms
+    from vllm.platforms.cpu import CpuPlatform
+
+    vllm.platforms._current_platform = CpuPlatform()
+    from vllm_dualgpu import plugin
+    from vllm_dualgpu.process import ENGINE
+
+    plugin.ensure(frozenset({ENGINE}))
+
+
 class Warnings(logging.Handler):
     def __init__(self):
         super().__init__(logging.WARNING)
@@ -56,13 +57,7 @@ class Warnings(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-_MIRROR_VS_PATCH = ("the executor's vLLM-priced grouping keeps vLLM's 15 groups where the planner's mirror "
-                    "groups 4 x 16 + the window: the pool sized for the mirror is refused (module docstring)")
-EXPERT_ARMS = [pytest.param(name, marks=pytest.mark.xfail(strict=True, raises=PlanError, reason=_MIRROR_VS_PATCH))
-               if name.endswith("dflash2") else name for name in hl.LAUNCHERS]
-
-
-@pytest.mark.parametrize("launcher", EXPERT_ARMS)
+@pytest.mark.parametrize("launcher", hl.LAUNCHERS)
 def test_the_expert_arm_starts_with_its_own_split_and_pool(engine_config, models, monkeypatch, launcher):
     gpu = VisibleGpu(0, "NVIDIA H200", int(hl.H200_TOTAL_GIB * GiB), 139 * GiB, (9, 0), 4800.0, "GPU-a")
     monkeypatch.setattr(apply, "read_visible_gpus", lambda: [gpu])
@@ -83,6 +78,8 @@ def test_the_expert_arm_starts_with_its_own_split_and_pool(engine_config, models
         log.removeHandler(handler)
     assert plan.partition == hl.EXPERT[launcher]["partition"]
     assert plan.num_blocks == hl.EXPERT_BLOCKS[launcher] and plan.max_model_len == hl.MAX_MODEL_LEN
+    # vLLM's functions under the grouping patch price the grouping the pool was sized for
+    assert plan.kv.blocks_per_request(hl.MAX_MODEL_LEN) + 1 == hl.EXPERT_BLOCKS[launcher]
     assert cfg.parallel_config.assigned_physical_gpu_ids == [0, 0]
     short = [m for m in handler.messages if "is predicted short by" in m]
     assert len(short) == (1 if TIGHT[launcher] else 0), handler.messages
