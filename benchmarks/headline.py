@@ -232,6 +232,13 @@ def arm_specs(launcher: str, model: Path, *, total_gib: float, drafter: Path | N
     return arms
 
 
+def write_models(root: Path) -> dict[str, Path]:
+    """Every launcher's model folder (by weight format) and the drafter's, under ``root``."""
+    out = {q: write_reference_model(root / q, q) for q in ("w8a16", "fp8", "nvfp4")}
+    out["drafter"] = write_drafter(root / "dflash2-drafter")
+    return out
+
+
 def write_drafter(out: Path) -> Path:
     """The DFlash2 stand-in drafter as a model folder for load_format="dummy"."""
     out.mkdir(parents=True, exist_ok=True)

@@ -27,10 +27,7 @@ def executor(cfg) -> str:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("headline")
-    out = {q: hl.write_reference_model(root / q, q) for q in ("w8a16", "fp8", "nvfp4")}
-    out["drafter"] = hl.write_drafter(root / "dflash2-drafter")
-    return out
+    return hl.write_models(tmp_path_factory.mktemp("headline"))
 
 
 def by_name(arms):

@@ -28,10 +28,7 @@ TIGHT = {"nvfp4-dflash2": [], "w8a16-dflash2": [0, 1], "fp8-dflash2": [0], "fp8-
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("headline-expert")
-    out = {q: hl.write_reference_model(root / q, q) for q in ("w8a16", "fp8", "nvfp4")}
-    out["drafter"] = hl.write_drafter(root / "dflash2-drafter")
-    return out
+    return hl.write_models(tmp_path_factory.mktemp("headline-expert"))
 
 
 @pytest.fixture(scope="module", autouse=True)
