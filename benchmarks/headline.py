@@ -65,7 +65,6 @@ import dataclasses
 import functools
 import json
 import math
-import os
 import re
 import sys
 import threading

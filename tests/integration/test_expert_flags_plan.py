@@ -40,7 +40,6 @@ def _no_objective(monkeypatch):
     monkeypatch.delenv("VLLM_DUALGPU_OBJECTIVE", raising=False)
 
 
-
 @pytest.mark.parametrize("split,blocks,fits,largest,groups", [
     ([19, 45], 376, True, 262_144, 9), ([19, 45], 375, False, 261_248, 9), ([21, 43], 191, True, 262_144, 5)])
 def test_the_experts_pool_is_planned_alike_and_warned_not_refused(engine_config, reference_dirs, monkeypatch,

@@ -773,10 +773,10 @@ def _fit_once(
         # plan's estimates call tight runs as set, with a warning; one past the card is refused.
         tight = [c for c in cands if c.fits_hard]
         if tight:
-            fitting = [min(tight, key=lambda c: (max(c.shortfall), sum(max(s, 0) for s in c.shortfall)))]
+            fitting = [_least_short(tight)]
             ctx.warnings.append(_tight_note(ctx, fitting[0], request.num_gpu_blocks_override))
     if not fitting:
-        worst = min(cands, key=lambda c: (max(c.shortfall), sum(max(s, 0) for s in c.shortfall)))
+        worst = _least_short(cands)
         r = max(range(pp), key=lambda i: worst.shortfall[i])
         what = "the weights, fixed costs and one request's KV cache"
         if request.num_gpu_blocks_override is not None:
@@ -817,6 +817,11 @@ def _fit_once(
     chosen_plan = _make_plan(ctx, chosen, final_len, decode_tokens, overrides, notes, len(cands), auto_fit,
                              rule_=rule_, held=held)
     return Fit(chosen_plan, True, target, largest)
+
+
+def _least_short(cands: list[_Candidate]) -> _Candidate:
+    """The candidate that comes closest to fitting: the smallest worst shortfall, then total."""
+    return min(cands, key=lambda c: (max(c.shortfall), sum(max(s, 0) for s in c.shortfall)))
 
 
 def _tight_note(ctx: _Context, c: _Candidate, override: int) -> str:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 from plan_exports import restore_environ  # noqa: F401  (autouse: the plan's exports undone)
+from test_kv_pricing_dflash import engine_patches  # noqa: F401  (autouse: the engine's patches, as in EngineCore)
+from test_planning import Lines
 
 from vllm_dualgpu import envs
 from vllm_dualgpu.engine import planning as apply
@@ -31,29 +33,6 @@ def models(tmp_path_factory):
     return hl.write_models(tmp_path_factory.mktemp("headline-expert"))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def engine_patches():
-    """The engine's patches, as in the EngineCore process where the executor plans (the KV
-    grouping patches among them: without them vLLM's functions price vLLM's own grouping)."""
-    import vllm.platforms
-    from vllm.platforms.cpu import CpuPlatform
-
-    vllm.platforms._current_platform = CpuPlatform()
-    from vllm_dualgpu import plugin
-    from vllm_dualgpu.process import ENGINE
-
-    plugin.ensure(frozenset({ENGINE}))
-
-
-class Warnings(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-
 @pytest.mark.parametrize("launcher", hl.LAUNCHERS)
 def test_the_expert_arm_starts_with_its_own_split_and_pool(engine_config, models, monkeypatch, launcher):
     gpu = VisibleGpu(0, "NVIDIA H200", int(hl.H200_TOTAL_GIB * GiB), 139 * GiB, (9, 0), 4800.0, "GPU-a")
@@ -67,7 +46,7 @@ def test_the_expert_arm_starts_with_its_own_split_and_pool(engine_config, models
     cfg = engine_config(**arm.kwargs)
     cfg.parallel_config.worker_cls = apply.STOCK_WORKER  # as on a GPU machine; the plan replaces it
     log = logging.getLogger("vllm.dualgpu")
-    handler = Warnings()
+    handler = Lines()
     log.addHandler(handler)
     try:
         plan = apply.apply_plan(cfg).plan
