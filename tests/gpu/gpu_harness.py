@@ -112,12 +112,15 @@ RUNNING: set[int] = set()  # process groups started here and not yet ended
 JIT_KERNELS_ENV = "DUALGPU_GPU_JIT_KERNELS"
 """Set to 1 to leave vLLM's kernel choice alone (PRECOMPILED_KERNELS not applied)."""
 PRECOMPILED_KERNELS = {
-    # vLLM 0.33 picks kernels that are built on first use: FlashInfer's SM90 block-FP8 GEMM
+    # vLLM 0.33 picks kernels that are built or warmed up on first use: FlashInfer's SM90 block-FP8 GEMM
     # (fp8_blockscale_gemm_90) and humming's. On a fresh GPU machine each build took longer than
     # the 2-4 minutes left in the call (seen on the 14B FP8 and the headline models); vLLM then
     # takes CUTLASS, Marlin or Machete, which ship built. Every child gets the same choice, so
     # stock and plugin arms stay comparable.
     "VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER": "0",
+    # DeepGEMM (SM 9.0 / 10.x only): neither reference card (SM 8.9, 12.0) runs it, and on the H200
+    # its warmup after the KV cache outlasted a call (twelfth session). vLLM takes CUTLASS instead.
+    "VLLM_USE_DEEP_GEMM": "0",
     "VLLM_DISABLED_KERNELS": ",".join(("HummingFP8ScaledMMLinearKernel", "HummingInt8ScaledMMLinearKernel",
                                        "HummingLinearKernel", "HummingNvFp4LinearKernel")),
 }
