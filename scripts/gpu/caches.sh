@@ -4,24 +4,28 @@
 #     bash scripts/gpu/caches.sh save OUTDIR [PART_MIB]   # the caches as OUTDIR/caches.tar.{zst,gz}.NN
 #     bash scripts/gpu/caches.sh load DIR                 # unpack DIR/caches.tar.*.NN in place
 #
-# A fresh machine spends minutes of a first boot compiling: Triton kernels (the GDN and attention
-# kernels, autotuned), torch.compile's graphs and Inductor's kernels. These are keyed by source,
-# shapes and device, so a later machine with the same GPU and vLLM reuses them. save packs
-# Triton's cache, vLLM's cache root (torch_compile_cache) and Inductor's folder, in gzip parts of
-# at most PART_MIB (default 15; gzip because the GPU machines have no zstd); if they come
-# to more than 45 MiB, Inductor's folder is left out and then vLLM's, Triton's cache being the
-# largest saving. load is a no-op without parts; it also reads zstd parts where zstd is installed.
+# A fresh machine spends minutes of a first boot compiling: FlashInfer's JIT modules (its attention
+# prefill for fp8 KV: minutes each), Triton kernels (the GDN and attention kernels, autotuned),
+# torch.compile's graphs and Inductor's kernels. These are keyed by source, shapes and device, so a
+# later machine with the same GPU and vLLM reuses them. save packs FlashInfer's JIT cache, Triton's
+# cache, vLLM's cache root (torch_compile_cache) and Inductor's folder, in gzip parts of at most
+# PART_MIB (default 15; gzip because the GPU machines have no zstd); if they come to more than
+# CACHES_MAX_MIB (default 90: more than one call can carry, so carry the parts in two calls),
+# Inductor's folder is left out, then vLLM's, then FlashInfer's last, the builds being the largest
+# saving. load is a no-op without parts; it also reads zstd parts where zstd is installed.
 set -euo pipefail
 verb=${1:?usage: caches.sh save OUTDIR [PART_MIB] | load DIR}
 dir=${2:?usage: caches.sh save OUTDIR [PART_MIB] | load DIR}
 TRITON=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
 VLLM_ROOT=${VLLM_CACHE_ROOT:-$HOME/.cache/vllm}
 INDUCTOR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/torchinductor_$(id -un)}
+FLASHINFER=${FLASHINFER_WORKSPACE_BASE:-$HOME}/.cache/flashinfer
+MAX_MIB=${CACHES_MAX_MIB:-90}
 case "$verb" in
   save)
     ext=gz Z=(gzip -6)
     mkdir -p "$dir"
-    sets=("$TRITON $VLLM_ROOT $INDUCTOR" "$TRITON $VLLM_ROOT" "$TRITON")
+    sets=("$FLASHINFER $TRITON $VLLM_ROOT $INDUCTOR" "$FLASHINFER $TRITON $VLLM_ROOT" "$FLASHINFER $TRITON" "$TRITON")
     for set in "${sets[@]}"; do
       # shellcheck disable=SC2086  # a list of folders
       paths=$(for p in $set; do if [ -d "$p" ]; then echo "$p"; fi; done)
@@ -29,7 +33,7 @@ case "$verb" in
       # shellcheck disable=SC2086
       tar cf - $paths 2>/dev/null | "${Z[@]}" > "$dir/caches.tar.$ext"
       mib=$(( $(stat -c %s "$dir/caches.tar.$ext") / 1048576 ))
-      [ "$mib" -le 45 ] && break
+      [ "$mib" -le "$MAX_MIB" ] && break
       echo "caches.sh: $set came to $mib MiB, trying less" >&2
     done
     rm -f "$dir"/caches.tar.*.[0-9][0-9]

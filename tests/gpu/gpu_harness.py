@@ -121,6 +121,9 @@ PRECOMPILED_KERNELS = {
     # DeepGEMM (SM 9.0 / 10.x only): neither reference card (SM 8.9, 12.0) runs it, and on the H200
     # its warmup after the KV cache outlasted a call (twelfth session). vLLM takes CUTLASS instead.
     "VLLM_USE_DEEP_GEMM": "0",
+    # FlashInfer's top-k/top-p sampler: built on first use (2 minutes of a headline arm's boot,
+    # thirteenth session); vLLM samples with PyTorch instead.
+    "VLLM_USE_FLASHINFER_SAMPLER": "0",
     "VLLM_DISABLED_KERNELS": ",".join(("HummingFP8ScaledMMLinearKernel", "HummingInt8ScaledMMLinearKernel",
                                        "HummingLinearKernel", "HummingNvFp4LinearKernel")),
 }

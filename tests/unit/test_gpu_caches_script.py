@@ -9,9 +9,9 @@ from pathlib import Path
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu" / "caches.sh"
 
 
-def run(*args: str, home: Path, inductor: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HOME": str(home), "TORCHINDUCTOR_CACHE_DIR": str(inductor)}
-    for var in ("TRITON_CACHE_DIR", "VLLM_CACHE_ROOT"):
+def run(*args: str, home: Path, inductor: Path, **extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HOME": str(home), "TORCHINDUCTOR_CACHE_DIR": str(inductor), **extra}
+    for var in ("TRITON_CACHE_DIR", "VLLM_CACHE_ROOT", "FLASHINFER_WORKSPACE_BASE"):
         env.pop(var, None)
     return subprocess.run(["bash", str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=120)
 
@@ -77,3 +77,25 @@ def test_zstd_parts_without_zstd_are_refused_in_one_line(tmp_path):
     assert r.returncode == 1, (r.stdout, r.stderr)
     assert r.stderr.strip().splitlines() == [f"caches.sh: {part.parent} holds zstd parts and zstd is not installed: "
                                              "install zstd, or save the caches again (saves are gzip now)"]
+
+
+def test_flashinfer_builds_are_kept_first_when_the_caches_are_too_big(tmp_path):
+    """FlashInfer's JIT modules (its attention prefill for fp8 KV, built on first use) took the
+    minutes a headline arm had left (thirteenth session) and were not saved. They are now, and
+    when the caches pass the size limit Inductor's folder and vLLM's go first, never FlashInfer's."""
+    home, inductor, out = tmp_path / "home", tmp_path / "inductor", tmp_path / "out"
+    built = home / ".cache" / "flashinfer" / "0.7.2" / "90" / "cached_ops" / "prefill" / "prefill.so"
+    big = inductor / "big.bin"
+    for f, n in ((built, 3000), (home / ".triton" / "cache" / "k.bin", 100), (big, 3 * 2**20)):
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_bytes(os.urandom(n))
+    original = built.read_bytes()
+    saved = run("save", str(out), home=home, inductor=inductor, CACHES_MAX_MIB="1")
+    assert saved.returncode == 0, saved.stderr
+    assert "trying less" in saved.stderr and "flashinfer" in saved.stdout
+    for d in (home, inductor):
+        subprocess.run(["rm", "-rf", str(d)], check=True)
+    loaded = run("load", str(out), home=home, inductor=inductor)
+    assert loaded.returncode == 0, loaded.stderr
+    assert built.read_bytes() == original and (home / ".triton" / "cache" / "k.bin").exists()
+    assert not big.exists()

@@ -183,6 +183,17 @@ class DualGpuWorker(Worker):
         if getattr(self, "_virtual_card", None) is not None:
             virtual_card.hold_to_card(self.device)  # NCCL's buffers now count outside torch
         available = super().determine_available_memory()
+        weights = _gib(getattr(self.model_runner, "model_memory_usage", 0) or 0)
+        if getattr(self.cache_config, "kv_cache_memory_bytes", None):
+            # vLLM ran its profile pass but measured nothing: the KV size is the one set. What this
+            # rank holds is torch's own figure (no empty_cache after the pass in this mode).
+            held = (f"torch's peak {_gib(torch.cuda.max_memory_allocated(self.device))}, "
+                    f"reserved {_gib(torch.cuda.memory_reserved(self.device))}")
+            rank_summary.note("non-KV", f"not profiled (--kv-cache-memory-bytes); {held}")
+            logger.info("vllm-dualgpu rank %d: KV cache %s as set by --kv-cache-memory-bytes; vLLM "
+                        "skipped its memory profile, so the plan's non-KV figure is not checked; "
+                        "weights %s, %s", self.rank, _gib(available), weights, held)
+            return available
         record = getattr(self, "_dualgpu_rank", None)
         predicted = record.predicted_non_kv_bytes if record else None
         non_kv = profiled_vs_predicted(self.requested_memory, available, predicted)
@@ -190,8 +201,7 @@ class DualGpuWorker(Worker):
         # Now, not only in the summary after the KV pool: a run refused at the KV check (or one
         # that dies allocating it) still says what each rank's profile found.
         logger.info("vllm-dualgpu rank %d profiled: weights %s, non-KV %s, KV room %s of a %s budget",
-                    self.rank, _gib(getattr(self.model_runner, "model_memory_usage", 0) or 0), non_kv,
-                    _gib(available), _gib(self.requested_memory))
+                    self.rank, weights, non_kv, _gib(available), _gib(self.requested_memory))
         return available
 
     def _warm_pp_communicators(self) -> None:

@@ -236,3 +236,26 @@ def test_the_profile_is_logged_when_it_ends(fake_rank, monkeypatch, caplog):
     assert len(lines) == 1
     assert lines[0].startswith("vllm-dualgpu rank 1 profiled: weights 10.52 GiB, non-KV 9.40 GiB measured")
     assert "KV room 4.60 GiB of a 14.00 GiB budget" in lines[0]
+
+
+def test_a_set_kv_size_is_not_reported_as_a_profile(fake_rank, monkeypatch, caplog):
+    """Seen on the virtual pair (thirteenth session): with --kv-cache-memory-bytes vLLM skips its
+    memory profile and returns the set bytes, and the worker logged "non-KV 5.55 GiB measured by
+    vLLM, predicted 11.92 GiB (-53.4%)": budget minus the set size, compared with the plan as if
+    measured. The line now says the size was set and gives torch's own peak and reserve instead."""
+    import torch
+    from vllm.v1.worker.gpu_worker import Worker
+
+    caplog.set_level(logging.INFO, logger="vllm.dualgpu")
+    logging.getLogger("vllm.dualgpu").propagate = True
+    monkeypatch.setattr(Worker, "determine_available_memory", lambda self: int(8.38 * GiB))
+    monkeypatch.setattr(w.DualGpuWorker, "_warm_pp_communicators", lambda self: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d=None: int(11.61 * GiB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: int(12.25 * GiB))
+    fake_rank.cache_config.kv_cache_memory_bytes = 9_000_000_000
+    fake_rank.requested_memory = int(13.94 * GiB)
+    assert fake_rank.determine_available_memory() == int(8.38 * GiB)
+    (line,) = [r.getMessage() for r in caplog.records if "vllm-dualgpu rank 1" in r.getMessage()]
+    assert "measured by vLLM" not in line and "%" not in line
+    assert "--kv-cache-memory-bytes" in line and "8.38 GiB" in line and "skipped its memory profile" in line
+    assert "torch's peak 11.61 GiB" in line and "reserved 12.25 GiB" in line and "weights 10.52 GiB" in line

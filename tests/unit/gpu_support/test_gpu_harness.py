@@ -106,7 +106,7 @@ def _job_env(_llm):
 
 def test_children_take_precompiled_kernels_unless_asked(tmp_path, monkeypatch):
     """Every child the harness starts avoids the kernels vLLM 0.33 builds or warms up on first use
-    (FlashInfer's SM90 block-FP8 GEMM, humming's, DeepGEMM's): on a fresh GPU machine those builds outlasted a whole call
+    (FlashInfer's SM90 block-FP8 GEMM and sampler, humming's, DeepGEMM's): on a fresh GPU machine those builds outlasted a whole call
     (seen twice). An explicit value wins; DUALGPU_GPU_JIT_KERNELS=1 leaves vLLM's choice."""
     from gpu_harness import child_env
 
@@ -116,6 +116,8 @@ def test_children_take_precompiled_kernels_unless_asked(tmp_path, monkeypatch):
     assert "HummingNvFp4LinearKernel" in env["VLLM_DISABLED_KERNELS"].split(",")
     # DeepGEMM: neither reference card (SM 8.9, 12.0) runs it; its warmup outlasted a call (twelfth session)
     assert env["VLLM_USE_DEEP_GEMM"] == "0"
+    # FlashInfer's sampler: its JIT build took 2 minutes of a headline arm's boot (thirteenth session)
+    assert env["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
     assert child_env({"VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER": "1"})["VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER"] == "1"
     res = run_llm(None, _job_env, log=tmp_path / "job.log", timeout=60)
     assert res["VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER"] == "0" and "HummingLinearKernel" in res["VLLM_DISABLED_KERNELS"]
