@@ -442,6 +442,11 @@ def rank_peaks_mib(log: Path, peaks: dict[int, int], pp: int = 2) -> list[int | 
     return by_rank
 
 
+def shorten(line: str, keep: int = 300) -> str:
+    """A log line's start (the rank and the error) and end (vLLM's largest length) when long."""
+    return line if len(line) <= 2 * keep else f"{line[:keep]} ... {line[-keep:]}"
+
+
 def run_arm(arm: Arm, out: Path, job, timeout: float, cards_mib: list[int] | None = None) -> dict:
     log = out / "logs" / f"{arm.file}.log"
     plan_file = out / "logs" / f"{arm.file}.plan.json"
@@ -463,7 +468,8 @@ def run_arm(arm: Arm, out: Path, job, timeout: float, cards_mib: list[int] | Non
     r["peak_mib"] = rank_peaks_mib(log, s.peak)
     r["card_mib"] = cards_mib
     r["rank_lines"] = grep(log, r"vllm-dualgpu rank \d")
-    r["refusals"] = [line[-500:] for line in grep(log, r"ValueError|does not fit|less than desired|maximum model length")][:4]
+    r["refusals"] = [shorten(line) for line in grep(
+        log, r"OutOfMemoryError|ValueError|does not fit|less than desired|maximum model length")][:4]
     r["largest_context"] = MAX_MODEL_LEN if r["booted"] and r["kv_tokens"] >= MAX_MODEL_LEN else largest_context(r["refusals"])
     if plan_file.exists():
         r["plan"] = json.loads(plan_file.read_text())

@@ -362,6 +362,33 @@ def test_an_arm_cut_by_its_limit_keeps_what_it_measured(tmp_path, monkeypatch):
     assert uncut["booted"] is False
 
 
+def test_an_arm_that_runs_out_of_memory_says_so(tmp_path, monkeypatch):
+    """Seen in the thirteenth session: the fp8-dflash2 expert's rank 0 ran out of its virtual card
+    allocating the KV cache, and the row's refusal was "Engine core initialization failed". It is
+    the worker's out-of-memory line now."""
+
+    class NoPeaks:
+        peak, gpu_peak, gpu_base = {}, [0], [0]
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+    oom = ("(Worker_PP0 pid=3413) ERROR 12-02 04:39:26 [multiproc_executor.py:1189] torch.OutOfMemoryError: "
+           "CUDA out of memory. Tried to allocate 3.64 GiB.")
+
+    def fails(kwargs, job, *, log, timeout, env):
+        log.write_text(oom + "\nRuntimeError: Engine core initialization failed. See root cause above.\n")
+        return {"error": "RuntimeError: Engine core initialization failed.", "timed_out": False, "log": log}
+
+    monkeypatch.setattr(hl, "ProcessPeaks", NoPeaks)
+    monkeypatch.setattr(hl, "run_llm", fails)
+    r = hl.run_arm(hl.Arm("fp8-dflash2/expert", "expert", "fp8-dflash2", {}, {}), tmp_path, lambda llm: {}, 300)
+    assert "OutOfMemoryError" in hl.headline_row(r)["refusal"] and "Worker_PP0" in hl.headline_row(r)["refusal"]
+
+
 @pytest.mark.parametrize("kinds,expected", [({"plugin"}, ["plugin"]), ({"expert", "plugin"}, ["expert", "plugin"])])
 def test_run_launcher_runs_every_asked_arm(tmp_path, monkeypatch, kinds, expected):
     """Seen on the GPU: `--arms plugin` ran nothing and wrote an empty table."""
