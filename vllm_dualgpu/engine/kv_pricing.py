@@ -244,7 +244,12 @@ def reprice(vllm_config, plan, search: Callable) -> tuple[object, VllmPool | Non
             len(mirror.groups), "/".join(sorted({str(len(g.members)) for g in mirror.groups})),
             "/".join(map(str, plan.partition)),
         )
-    if pool.num_blocks != plan.num_blocks:
+    override = plan.request.num_gpu_blocks_override
+    if override is not None:  # the pool is the user's; vLLM's count from the budgets is moot
+        if pool.num_blocks != override:
+            logger.info("vllm-dualgpu: --num-gpu-blocks-override %s sets the pool (vLLM's functions "
+                        "would size %s blocks from the budgets)", f"{override:,}", f"{pool.num_blocks:,}")
+    elif pool.num_blocks != plan.num_blocks:
         logger.warning(
             "vllm-dualgpu: vLLM's functions give this split %s KV blocks, the plan %s "
             "(bytes per block per rank: vLLM %s, plan %s); vLLM's measurement after profiling decides",

@@ -61,3 +61,6 @@ def test_the_expert_arm_starts_with_its_own_split_and_pool(engine_config, models
     assert len(short) == (1 if TIGHT[launcher] else 0), handler.messages
     for r in TIGHT[launcher]:
         assert f"rank {r} (" in short[0]
+    # the pool is the override: vLLM's count from the budget (228 against 180 for fp8-mtp, seen in
+    # the thirteenth session's log as a WARNING) is not a disagreement between plan and vLLM
+    assert not [m for m in handler.messages if "vLLM's functions give this split" in m], handler.messages
