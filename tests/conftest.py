@@ -36,6 +36,21 @@ def vllm_logging_configured_once():
 
 
 @pytest.fixture(autouse=True, scope="session")
+def no_machine_profile():
+    """No test reads a machine profile from the user's cache (``vllm-dualgpu calibrate``'s file
+    changes plan's bandwidths): tests that want one set VLLM_DUALGPU_MACHINE_PROFILE themselves."""
+    from vllm_dualgpu.envs import MACHINE_PROFILE
+
+    saved = os.environ.get(MACHINE_PROFILE)
+    os.environ[MACHINE_PROFILE] = "none"
+    yield
+    if saved is None:
+        os.environ.pop(MACHINE_PROFILE, None)
+    else:
+        os.environ[MACHINE_PROFILE] = saved
+
+
+@pytest.fixture(autouse=True, scope="session")
 def gpu_run_properties(record_testsuite_property):
     """On a GPU machine, the JUnit file names the vLLM release and the pair the PP=2 tests ran
     on (two GPUs, or the virtual pair on one)."""

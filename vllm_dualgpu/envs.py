@@ -14,6 +14,9 @@ DEFAULT_RESERVE_BYTES = 1024**3
 OBJECTIVE = "VLLM_DUALGPU_OBJECTIVE"
 # Where the executor writes the plan it applied, as JSON (optional).
 PLAN_FILE = "VLLM_DUALGPU_PLAN_FILE"
+# The machine profile `vllm-dualgpu calibrate` writes and `plan` and the executor read
+# (default: $XDG_CACHE_HOME/vllm-dualgpu/machine-profile.json; "none": no profile).
+MACHINE_PROFILE = "VLLM_DUALGPU_MACHINE_PROFILE"
 
 
 def objective() -> str:

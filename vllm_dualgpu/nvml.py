@@ -16,6 +16,15 @@ class VisibleGpu:
     bandwidth_gbps: float | None
     uuid: str
     nvlink: bool | None = None  # an active NVLink; None when NVML cannot say
+    pci_bus_id: str | None = None  # e.g. "00000000:01:00.0"; None when NVML cannot say
+
+
+def _pci_bus_id(pynvml, handle) -> str | None:
+    try:
+        bus = pynvml.nvmlDeviceGetPciInfo(handle).busId
+    except Exception:
+        return None
+    return bus.decode() if isinstance(bus, bytes) else str(bus)
 
 
 def _has_nvlink(pynvml, handle) -> bool | None:
@@ -99,6 +108,7 @@ def read_visible_gpus() -> list[VisibleGpu]:
                     bandwidth_gbps=_bandwidth_gbps(pynvml, h),
                     uuid=uuid.decode() if isinstance(uuid, bytes) else uuid,
                     nvlink=_has_nvlink(pynvml, h),
+                    pci_bus_id=_pci_bus_id(pynvml, h),
                 )
             )
         return out

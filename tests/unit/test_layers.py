@@ -1,7 +1,8 @@
 """The package's layers: every module imports only from its own layer or the layers below.
 
 Bottom to top: the base (version, logging, process kinds, support, per-rank notes), the pure
-planner, the settings and the NVML reader (they use the planner's size and GPU types), kernel
+planner, the settings, the NVML reader and the machine profile (they use the planner's size and
+GPU types), kernel
 helpers, the patch machinery, registry and the plugin that applies it, the
 engine side (executor, planning, workers), the patch bodies (they may call into the engine),
 the plugin entry point, the command line. In-function imports count: a lazy import up the
@@ -20,7 +21,10 @@ LAYERS = [
     {"vllm_dualgpu", "vllm_dualgpu._version", "vllm_dualgpu.log", "vllm_dualgpu.process",
      "vllm_dualgpu.support", "vllm_dualgpu.rank_summary"},
     {"vllm_dualgpu.planner"},
-    {"vllm_dualgpu.envs", "vllm_dualgpu.nvml", "vllm_dualgpu.virtual_gpus"},
+    # the machine profile (calibrate's measured bandwidths, read by plan and the executor) and
+    # the probe that measures them
+    {"vllm_dualgpu.envs", "vllm_dualgpu.nvml", "vllm_dualgpu.virtual_gpus", "vllm_dualgpu.machine_profile",
+     "vllm_dualgpu.bandwidth_probe"},
     {"vllm_dualgpu.kernels"},
     # plugin.py applies the registry in this process (and is vLLM's entry point): the engine
     # calls it to make sure its own process is patched.

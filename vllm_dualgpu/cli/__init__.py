@@ -1,4 +1,4 @@
-"""``vllm-dualgpu`` command line: ``plan``, ``doctor``, ``tune-fp8``.
+"""``vllm-dualgpu`` command line: ``plan``, ``doctor``, ``tune-fp8``, ``calibrate``.
 
 Each subcommand lives in its own module with ``add_parser(subparsers)`` and ``run(args) -> int``
 and imports what it needs only when it runs, so ``vllm-dualgpu --help`` and ``plan`` stay fast
@@ -13,7 +13,7 @@ import sys
 
 from vllm_dualgpu._version import SUPPORTED_VLLM, __version__
 
-SUBCOMMANDS = ("plan", "doctor", "tune_fp8")
+SUBCOMMANDS = ("plan", "doctor", "tune_fp8", "calibrate")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -143,6 +143,12 @@ def add_parser(sub) -> None:
         "that hold --max-model-len (and --max-num-seqs such requests, where one does), then the largest "
         "pool; pool: the largest KV pool, the faster split among those within 1%% of it; auto: speed",
     )
+    p.add_argument(
+        "--profile",
+        metavar="PATH|none",
+        help="machine profile of measured bandwidths (vllm-dualgpu calibrate; default: "
+        "$XDG_CACHE_HOME/vllm-dualgpu/machine-profile.json where it exists); none: datasheet figures",
+    )
     p.add_argument("--drafter-shares-embedding", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--vision-on-every-rank", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--distributed-executor-backend", help=argparse.SUPPRESS)
@@ -162,9 +168,39 @@ def add_parser(sub) -> None:
 
 
 def _gpus(args, have_model: bool):
-    gpus, notes = _gpus_as_given(args, have_model)
+    """(cards, notes): the cards ``plan`` plans for, as :func:`_cards` gives them."""
+    gpus, notes, _ = _cards(args, have_model)
+    return gpus, notes
+
+
+def _cards(args, have_model: bool):
+    """(cards, notes, the machine profile's use): each card's bandwidth is the profile's measured
+    one where the profile names it (machine_profile.apply, which the executor calls too)."""
+    from vllm_dualgpu import machine_profile
+
+    gpus, notes, uuids = _gpus_as_given(args, have_model)
     explicit = args.gpus if args.gpus is not None and args.gpus.strip().lower() != "local" else None
-    return _with_default_reserves(gpus, explicit), notes
+    given = {i for i, entry in enumerate(explicit.split(",")) if "bw=" in entry} if explicit else set()
+    used = machine_profile.apply(_with_default_reserves(gpus, explicit), uuids, getattr(args, "profile", None),
+                                 keep=given)
+    return used.gpus, notes, used
+
+
+def _profile_env(args) -> str | None:
+    """The ``VLLM_DUALGPU_MACHINE_PROFILE`` the serve line needs for the executor to read the
+    profile ``--profile`` named (None: the executor reads the same one by default)."""
+    from pathlib import Path
+
+    from vllm_dualgpu import machine_profile
+
+    asked = getattr(args, "profile", None)
+    if asked is None:
+        return None
+    default = machine_profile.default_path()
+    if asked.strip().lower() == machine_profile.NONE:
+        return machine_profile.NONE if default is not None and default.exists() else None
+    asked = Path(asked).expanduser().resolve()
+    return None if default is not None and default.expanduser().resolve() == asked else str(asked)
 
 
 _BY_HAND = ("name the cards instead, in CUDA order: --gpus 'RTX 5090,RTX 4070 Ti SUPER' (a card plan "
@@ -176,22 +212,23 @@ def _gpus_as_given(args, have_model: bool):
 
     notes = []
     if args.gpus is not None and args.gpus.strip().lower() != "local":
-        return parse_gpus(args.gpus), notes
+        return parse_gpus(args.gpus), notes, None
     if args.gpus is not None or have_model:
         try:
             from vllm_dualgpu.nvml import read_visible_gpus, to_gpu_facts
 
-            local = to_gpu_facts(read_visible_gpus())  # honours CUDA_VISIBLE_DEVICES, as vLLM does
+            seen = read_visible_gpus()  # honours CUDA_VISIBLE_DEVICES, as vLLM does
+            local = to_gpu_facts(seen)
         except Exception as e:  # no driver, no pynvml, no GPU
             if args.gpus:
                 raise _Fail(f"--gpus local: cannot read GPUs through NVML ({e}); {_BY_HAND}") from None
             local = []
         if local:
-            return local, notes
+            return local, notes, [g.uuid for g in seen]
         if args.gpus:
             raise _Fail(f"--gpus local: NVML sees no GPU here; {_BY_HAND}")
         notes.append("no GPUs visible here: planning for the reference pair (RTX 5090 + RTX 4070 Ti SUPER)")
-    return reference_pair(), notes
+    return reference_pair(), notes, None
 
 
 def _serve_command(model_arg: str, p, args, objective_env: str | None = None) -> str:
@@ -204,6 +241,9 @@ def _serve_command(model_arg: str, p, args, objective_env: str | None = None) ->
         env.append(f"VLLM_PP_LAYER_PARTITION={p.overrides['layer_partition']}")
     if objective_env:
         env.append(f"VLLM_DUALGPU_OBJECTIVE={objective_env}")
+    profile_env = _profile_env(args)
+    if profile_env:
+        env.append(f"VLLM_DUALGPU_MACHINE_PROFILE={q(profile_env)}")
     parts = env + ["vllm serve", q(model_arg)]
     if not p.passthrough:
         parts.append(f"--pipeline-parallel-size {len(p.partition)}")
@@ -446,7 +486,9 @@ def run(args) -> int:
         if args.kv_cache_dtype is None:
             args.kv_cache_dtype = "auto"
         model = P.ModelSpec.from_hf_config(cfg, weight_format=args.weight_format, quantization=args.quantization)
-        gpus, notes = _gpus(args, bool(args.model or args.model_opt))
+        gpus, notes, profile = _cards(args, bool(args.model or args.model_opt))
+        if profile.warning:
+            print(f"vllm-dualgpu plan: warning: {profile.warning}", file=sys.stderr)
         notes += _support_notes()
 
         req = request_from_args(args, model, gpus)
@@ -492,6 +534,8 @@ def run(args) -> int:
     if args.json:
         out = {"source": source, "plan": p.to_dict(), "stock": stock.to_dict() if stock else None,
                "command": command, "notes": notes, "trade_line": p.trade_line()}
+        if profile.line or profile.warning:
+            out["profile"] = profile.to_dict()
         if ranks is not None:
             out["tp"] = {"size": stages.tp, "ranks": ranks}
             out["plan"]["cuda_visible_devices"] = ",".join(str(r["gpu"]) for r in ranks)  # every card, rank order
@@ -499,6 +543,8 @@ def run(args) -> int:
         return 0
 
     print(f"vllm-dualgpu plan ({source})")
+    if profile.line:
+        print(profile.line)
     for n in notes:
         print(f"Note: {n}")
     print(p.table(), end="")

@@ -9,6 +9,8 @@ Runs in the EngineCore process (no CUDA context there). What it changes:
 - ``parallel_config.worker_cls``: :class:`vllm_dualgpu.engine.worker.DualGpuWorker`, which gives each
   rank its own memory budget (free memory minus a reserve) and logs one summary line;
 - ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` so CUDA and NVML number the GPUs the same way.
+The cards' bandwidths are the machine profile's measured ones where ``vllm-dualgpu calibrate``
+wrote one (:func:`measured_bandwidths`, the same function ``plan`` applies).
 """
 
 from __future__ import annotations
@@ -130,7 +132,7 @@ def apply_plan(vllm_config) -> AppliedPlan:
     used = choose_gpus(visible, pp, tp)
     user_partition = settings["user_partition"]
     caps = _utilization_caps(settings.get("gpu_memory_utilization"), [g.total_bytes for g in used])
-    facts = to_gpu_facts(used, reserves_visible[: len(used)], caps)
+    facts = measured_bandwidths(to_gpu_facts(used, reserves_visible[: len(used)], caps), used)
     request = plan_request(vllm_config, user_partition)
     stages = plan_stages(vllm_config.model_config.hf_config.to_dict(), facts, pp, tp, request,
                          quantization=vllm_config.model_config.quantization)
@@ -171,6 +173,19 @@ def apply_plan(vllm_config) -> AppliedPlan:
         logger.info("%s", trade)
     _write_plan_file(result, ranked, [card.index for _, _, card in placed])
     return AppliedPlan(result, ranked, tp)
+
+
+def measured_bandwidths(facts: list, gpus: list[VisibleGpu]) -> list:
+    """The cards with the machine profile's measured read bandwidths (``vllm-dualgpu calibrate``,
+    matched by NVML UUID) through the function ``plan`` uses; logs which profile, in plan's words."""
+    from vllm_dualgpu import machine_profile
+
+    used = machine_profile.apply(facts, [g.uuid for g in gpus])
+    if used.warning:
+        logger.warning("vllm-dualgpu: %s", used.warning)
+    if used.line:
+        logger.info("%s", used.line)
+    return used.gpus
 
 
 def hand_over(vllm_config, record: handoff.Handoff, off: str, kept: str) -> None:
