@@ -27,7 +27,9 @@ def test_hides_only_this_packages_variables(patch, vllm_version, monkeypatch):
 
     monkeypatch.setenv("VLLM_DUALGPU_RESERVE", "1GiB")
     with unpatched(patch, vllm_version):
-        with pytest.raises(ValueError, match="VLLM_DUALGPU_RESERVE"):  # the problem, stock
+        # the problem, stock: one of ours is flagged (the test session also sets
+        # VLLM_DUALGPU_MACHINE_PROFILE, which stock may name first)
+        with pytest.raises(ValueError, match=r"Unknown vLLM environment variable detected: VLLM_DUALGPU_\w+"):
             Platform.validate_environ(True)
         assert apply_patch(patch, vllm_version).status == APPLIED
         Platform.validate_environ(True)  # ours: hidden from the check
