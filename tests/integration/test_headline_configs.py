@@ -333,18 +333,21 @@ def test_the_table_has_a_row_per_arm():
     assert hl.table([cut]).splitlines()[2].startswith("| fp8-mtp | plugin | 20/44 | cut at 458 s, booting | - |")
 
 
+class NoPeaks:
+    """headline.ProcessPeaks without NVML: no GPU sampled."""
+
+    peak, gpu_peak, gpu_base = {}, [0], [0]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+
 def test_an_arm_cut_by_its_limit_keeps_what_it_measured(tmp_path, monkeypatch):
     """The engine booted and measured the short context, then the arm's limit cut it (no result
     file): the arm still counts as booted, with its pool and what ran, and says it was cut."""
-
-    class NoPeaks:
-        peak, gpu_peak, gpu_base = {}, [0], [0]
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            pass
 
     def cut(kwargs, job, *, log, timeout, env):
         progress = getattr(job, "keywords", {}).get("progress")
@@ -366,15 +369,6 @@ def test_an_arm_that_runs_out_of_memory_says_so(tmp_path, monkeypatch):
     """Seen in the thirteenth session: the fp8-dflash2 expert's rank 0 ran out of its virtual card
     allocating the KV cache, and the row's refusal was "Engine core initialization failed". It is
     the worker's out-of-memory line now."""
-
-    class NoPeaks:
-        peak, gpu_peak, gpu_base = {}, [0], [0]
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            pass
 
     oom = ("(Worker_PP0 pid=3413) ERROR 12-02 04:39:26 [multiproc_executor.py:1189] torch.OutOfMemoryError: "
            "CUDA out of memory. Tried to allocate 3.64 GiB.")
