@@ -36,6 +36,10 @@ class RankRecord:
     num_layers: int
     predicted_non_kv_bytes: int | None
     """What the planner expects vLLM's profile to charge besides the KV cache (no CUDA context)."""
+    after_profile_bytes: int = 0
+    """What vLLM allocates after its profile sized the KV cache, which it never charges: FlashInfer's
+    workspace buffers (vLLM 0.33 builds the attention backends with the KV cache). The worker
+    leaves it out of the budget it hands vLLM."""
     stage: int | None = None
     """Its pipeline rank (None: ``rank``, a pipeline without TP)."""
     tp_rank: int = 0

@@ -241,6 +241,7 @@ def _handoff(result, ranked: list[VisibleGpu], user_partition, stages=None,
     for rank, ((stage, tp_rank, card), g) in enumerate(zip(placed, ranked)):
         r = result.ranks[stage]
         context = r.fixed_detail.get("cuda_context", 0)
+        after = r.reserve_detail.get("flashinfer_workspace", 0)
         ranks.append(handoff.RankRecord(
             rank=rank,
             physical_gpu_id=g.physical_id,
@@ -250,8 +251,10 @@ def _handoff(result, ranked: list[VisibleGpu], user_partition, stages=None,
             num_layers=r.num_layers,
             # What vLLM's profile will charge besides the KV cache: the planner's fixed costs,
             # weights and reserves, less the CUDA context vLLM's start snapshot already holds,
-            # plus what a TP rank needs beyond its shard (its stage card's extra reserve).
-            predicted_non_kv_bytes=r.budget_bytes - r.kv_budget_bytes - context + extra,
+            # plus what a TP rank needs beyond its shard (its stage card's extra reserve), less
+            # what vLLM allocates after sizing the pool (the worker takes it off vLLM's budget).
+            predicted_non_kv_bytes=r.budget_bytes - r.kv_budget_bytes - context + extra - after,
+            after_profile_bytes=after,
             stage=stage,
             tp_rank=tp_rank,
             virtual_card=cards[rank] if cards else None,

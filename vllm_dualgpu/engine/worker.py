@@ -138,7 +138,8 @@ class DualGpuWorker(Worker):
         self._dualgpu_rank = record = plan.rank(self.rank) if plan else None
         reserve = record.reserve_bytes if record else envs.DEFAULT_RESERVE_BYTES
         cap = record.cap_bytes if record else None
-        budget = rank_budget(snap.free_memory, reserve, cap)
+        after = record.after_profile_bytes if record else 0
+        budget = rank_budget(snap.free_memory, reserve, cap, after)
         name = torch.cuda.get_device_name(self.device)
         if budget <= 0:
             raise ValueError(
@@ -154,7 +155,9 @@ class DualGpuWorker(Worker):
         rank_summary.note(
             "budget",
             f"{_gib(budget)} = {_gib(snap.free_memory)} free - {_gib(reserve)} reserve"
-            + (", capped by --gpu-memory-utilization" if cap is not None else ""),
+            + (", capped by --gpu-memory-utilization" if cap is not None else "")
+            + (f" - {_gib(after)} for FlashInfer's workspaces, which vLLM allocates after sizing the KV cache"
+               if after else ""),
         )
         self._install_native_hooks()
 

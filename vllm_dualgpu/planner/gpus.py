@@ -11,14 +11,17 @@ MIB = 1 << 20
 GIB = 1 << 30
 
 
-def rank_budget(free_bytes: int, reserve_bytes: int, cap_bytes: int | None = None) -> int:
+def rank_budget(free_bytes: int, reserve_bytes: int, cap_bytes: int | None = None,
+                after_profile_bytes: int = 0) -> int:
     """The memory one rank gives vLLM: free memory minus the reserve, at most the cap.
 
     The one budget rule: the planner budgets each card with it before vLLM starts, and each
-    worker applies it to its own card's free memory at its start snapshot.
+    worker applies it to its own card's free memory at its start snapshot. A worker also leaves
+    out ``after_profile_bytes``, what vLLM allocates after its profile sized the KV cache (FlashInfer's
+    workspace buffers) and so never charges.
     """
     budget = free_bytes - reserve_bytes
-    return budget if cap_bytes is None else min(budget, cap_bytes)
+    return (budget if cap_bytes is None else min(budget, cap_bytes)) - after_profile_bytes
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,23 @@ model predicted five later runs (splits 8/32 to 20/20) within 0.5-2.1% of the KV
 first rank's KV budget within 256 MiB. Not yet checked on other models or cards; NCCL over PCIe
 (the consumer pairs this package targets) uses fewer channels, so the comms term is likely high
 there.
+
+Calibration on the virtual pair (docs/benchmarks.md "Fifth run", 2026-12-02: vLLM 0.33.0, a 16 GiB
+and a 32 GiB card held on one H200, the reference Qwen3.5 shape in FP8 with MTP, fp8 KV, 2
+sequences, 1,024 batched tokens, a 250,000-token prompt; per-process peaks from NVML):
+
+* a process held 1.06 GiB when vLLM took its snapshot (16 - 14.94 and 32 - 30.94 GiB free, both
+  ranks): ``cuda_context_bytes`` without NVLink; the NVLink calibration's 1.4 GiB stays as
+  ``cuda_context_nvlink_bytes``. An H200's context is larger than a consumer card's;
+* the pipeline's NCCL buffers measured 0.09 GiB a rank (``pp_comms_pcie_bytes``: 128 MiB);
+* CUDA graphs took 0.07 and 0.14 GiB (0.13 and 0.20 with vLLM's default mode in an earlier run)
+  when vLLM captures at most 16-32 tokens: ``cudagraph_small_bytes`` up to
+  ``cudagraph_small_max_tokens`` captured tokens;
+* FlashInfer keeps a 394 MiB workspace buffer (vLLM's ``VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE``)
+  per set of metadata builders: one for the target's attention on every rank that runs
+  FlashInfer (v1/worker/gpu/attn_utils.py shares it across the groups), and a second on the last
+  rank for a drafter's attention (its speculator calls ``init_attn_backend`` again,
+  v1/worker/gpu/spec_decode/speculator.py).
 """
 
 from __future__ import annotations
@@ -40,10 +57,17 @@ GIB = 1 << 30
 class MemoryModel:
     """Per-rank runtime costs; every field is a knob to calibrate against a real boot."""
 
-    #: what a worker's own CUDA context and NCCL take before vLLM's snapshot (measured ~1.4 GiB)
-    cuda_context_bytes: int = int(1.4 * GIB)
+    #: what a worker's process holds before vLLM's snapshot (CUDA context, NCCL, loaded kernels):
+    #: 1.06 GiB measured on the virtual pair (PCIe/socket transport), 1.4 GiB on NVLink H200s
+    cuda_context_bytes: int = int(1.06 * GIB)
+    cuda_context_nvlink_bytes: int = int(1.4 * GIB)
     workspace_bytes: int = 256 * MIB
+    #: FlashInfer's workspace buffer (vLLM's VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE default)
+    flashinfer_workspace_bytes: int = 394 * MIB
     cudagraph_bytes: int = 512 * MIB
+    #: CUDA graphs when vLLM captures at most ``cudagraph_small_max_tokens`` tokens (small batches)
+    cudagraph_small_bytes: int = 256 * MIB
+    cudagraph_small_max_tokens: int = 64
     #: activation bytes per batched token per unit of (4 x widest intermediate + 8 x hidden)
     activation_element_bytes: float = 1.39
     #: bytes per (sequence x vocabulary entry) the last rank's sampler adds to the forward pass
@@ -55,9 +79,14 @@ class MemoryModel:
     #: measured on two NVLink H200s (0.79 GiB on the first rank, 1.04 GiB on the last)
     pp_comms_first_bytes: int = int(0.79 * GIB)
     pp_comms_last_bytes: int = int(1.04 * GIB)
-    #: the same over PCIe (consumer cards: fewer channels, buffers in host memory without P2P).
-    #: An ESTIMATE, not measured yet; the worker's summary line reports the real figure.
-    pp_comms_pcie_bytes: int = 256 * MIB
+    #: the same over PCIe (consumer cards: fewer channels, buffers in host memory without P2P):
+    #: 0.09 GiB measured a rank on the virtual pair (NCCL's socket transport); the worker's
+    #: summary line reports the real figure
+    pp_comms_pcie_bytes: int = 128 * MIB
+
+    def context_bytes(self, nvlink: bool) -> int:
+        """What a process holds before vLLM's snapshot, by the pair's link."""
+        return self.cuda_context_nvlink_bytes if nvlink else self.cuda_context_bytes
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -84,6 +113,26 @@ def vision_bytes(model: ModelSpec, mm: MemoryModel) -> int:
     return act + cached
 
 
+def attention_uses_flashinfer(kv_cache_dtype: str, capabilities) -> bool:
+    """Whether vLLM 0.33 runs the target's attention on FlashInfer on these ranks (no backend
+    chosen by the user). vLLM lists FlashAttention first, except on SM 10.x (FlashInfer first;
+    platforms/cuda.py, ``_get_backend_priorities``); FlashAttention takes an fp8 KV cache only as
+    FA3, on SM 9.0. With an fp8 KV cache and ranks of different capability the dualgpu executor sets
+    FlashInfer on every rank (engine/attention_backend.py). An unknown capability counts as
+    FlashInfer where an fp8 KV cache could make it so (the larger reserve)."""
+    caps = [tuple(c) if c is not None else None for c in capabilities]
+    known = {c for c in caps if c is not None}
+    if str(kv_cache_dtype).startswith("fp8"):
+        return len(known) != 1 or None in caps or (9, 0) not in known
+    return any(c[0] == 10 for c in known)
+
+
+def cudagraph_capture_tokens(max_num_seqs: int, decode_query_len: int) -> int:
+    """vLLM 0.33's largest CUDA-graph capture size by default (config/vllm.py,
+    ``_set_cudagraph_sizes``): ``min(max_num_seqs x decode query length x 2, 512)``."""
+    return min(max_num_seqs * decode_query_len * 2, 512)
+
+
 def runtime_reserve(
     model: ModelSpec,
     *,
@@ -95,21 +144,30 @@ def runtime_reserve(
     vision: bool,
     mm: MemoryModel,
     nvlink: bool = False,
+    decode_query_len: int = 1,
+    flashinfer: bool = False,
+    drafter_flashinfer: bool = False,
 ) -> dict[str, int]:
     """Runtime reserve of one rank, itemised (``sum(values)`` is the reserve).
 
     The profile run's transient peak is the larger of the forward pass and the vision encoder
     pass (rank 0), which run one after the other; the last rank's sampler comes on top of the
     forward pass (measured: the last rank needs ~0.9 GiB more than a first rank).
+    ``decode_query_len``: 1 + the draft tokens (sizes vLLM's CUDA graphs); ``flashinfer``: the
+    target's attention runs FlashInfer (:func:`attention_uses_flashinfer`); ``drafter_flashinfer``:
+    so does the drafter's, with a buffer of its own on the last rank.
     """
     peaks = {"activations": activation_bytes(model, max_num_batched_tokens, mm)}
     if first and vision:
         peaks["vision_encoder"] = vision_bytes(model, mm)
     top = max(peaks, key=lambda k: peaks[k])
     parts = {top: peaks[top], "workspaces": mm.workspace_bytes}
+    buffers = int(flashinfer) + int(last and drafter_flashinfer)
+    parts["flashinfer_workspace"] = buffers * mm.flashinfer_workspace_bytes
     if last:
         parts["sampler"] = sampler_bytes(model, max_num_seqs, mm)
-    parts["cuda_graphs"] = 0 if enforce_eager else mm.cudagraph_bytes
+    small = cudagraph_capture_tokens(max_num_seqs, decode_query_len) <= mm.cudagraph_small_max_tokens
+    parts["cuda_graphs"] = 0 if enforce_eager else (mm.cudagraph_small_bytes if small else mm.cudagraph_bytes)
     if not (first and last):  # a pipeline stage: its communicators (middle ranks send and receive)
         if nvlink:
             parts["pp_comms"] = mm.pp_comms_first_bytes if first else mm.pp_comms_last_bytes

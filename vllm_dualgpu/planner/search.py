@@ -24,7 +24,13 @@ from dataclasses import dataclass, field, replace
 from vllm_dualgpu.planner.errors import BadRequest, ContextTooLong, ModelDoesNotFit, PlanError
 from vllm_dualgpu.planner.gpus import GpuFacts
 from vllm_dualgpu.planner.kv import DEFAULT_KERNEL_BLOCK_ALIGNMENT, KVLayout
-from vllm_dualgpu.planner.memory import MIB, MemoryModel, default_batch_limits, runtime_reserve
+from vllm_dualgpu.planner.memory import (
+    MIB,
+    MemoryModel,
+    attention_uses_flashinfer,
+    default_batch_limits,
+    runtime_reserve,
+)
 from vllm_dualgpu.planner.model import DrafterSpec, ModelSpec
 from vllm_dualgpu.planner.objective import DEFAULT_OBJECTIVE, OBJECTIVES, PoolAlternative, rule, select, trade_line
 
@@ -365,6 +371,12 @@ class _Context:
             max_in_flight_tokens=pp * self.max_num_batched_tokens,
         )
         self.vision = model.has_vision and not request.language_model_only
+        # FlashInfer's workspace buffers: the target's on every rank, the drafter's own on the last
+        self.flashinfer = attention_uses_flashinfer(request.kv_cache_dtype,
+                                                    [g.capability for g in gpus_by_index.values()])
+        drafter_backend = str((request.speculative or {}).get("attention_backend") or "FLASHINFER").upper()
+        self.drafter_flashinfer = bool(self.flashinfer and self.drafter is not None and self.drafter.kv_layers
+                                       and drafter_backend == "FLASHINFER")
 
         # Prefix sums over the decoder layers: layers [start, end) cost x[end] - x[start].
         L = model.num_layers
@@ -379,7 +391,7 @@ class _Context:
         self.reserve: dict[tuple[bool, bool], dict[str, int]] = {}
         for first in (True, False):
             for last in (True, False):
-                f = {"cuda_context": mm.cuda_context_bytes}
+                f = {"cuda_context": mm.context_bytes(self.nvlink)}
                 embedded = first or model.embedding_on_every_rank
                 if embedded:
                     f["embedding"] = model.embed_bytes
@@ -405,6 +417,9 @@ class _Context:
                     vision=self.vision,
                     mm=mm,
                     nvlink=self.nvlink,
+                    decode_query_len=1 + num_spec,
+                    flashinfer=self.flashinfer,
+                    drafter_flashinfer=self.drafter_flashinfer,
                 )
         self.fixed_sum = {k: sum(v.values()) for k, v in self.fixed.items()}
         self.reserve_sum = {k: sum(v.values()) for k, v in self.reserve.items()}
@@ -653,7 +668,10 @@ def fit(
     p = f.plan
     if f.fits and p.objective == "speed" and not p.passthrough and len(p.partition) > 1:
         alt = _fit_grouped(model, gpus, replace(request, objective="pool"), _check_stock=_check_stock)
-        if alt.fits and (alt.plan.order, alt.plan.partition) != (p.order, p.partition):
+        # a trade only where the pool objective's split holds more (its 1% tolerance can take a
+        # faster split with a smaller pool than the speed rule's, on cards of equal speed)
+        if alt.fits and (alt.plan.order, alt.plan.partition) != (p.order, p.partition) \
+                and alt.plan.num_blocks > p.num_blocks:
             p.pool_alternative = PoolAlternative.of(alt.plan)
     return f
 
@@ -993,16 +1011,18 @@ def stock_estimate(
             first, last = r == 0, r == pp - 1
             g = used[r]
             requested = math.ceil(g.total_bytes * util)
-            seen_free = g.free_bytes - ctx.mm.cuda_context_bytes
+            seen_free = g.free_bytes - ctx.mm.context_bytes(ctx.nvlink)
             if seen_free < requested:
                 return "free", (
                     f"rank {r} ({g.short_name}) sees {seen_free / GIB:.2f} GiB free, less than "
                     f"{util:.2f} x {g.total_bytes / GIB:.1f} GiB"
                 ), 0, 0
-            fixed = ctx.fixed_sum[(first, last)] - ctx.mm.cuda_context_bytes
+            fixed = ctx.fixed_sum[(first, last)] - ctx.mm.context_bytes(ctx.nvlink)
             # Stock vLLM creates the pipeline's NCCL communicators after sizing the KV cache
             # (this package creates them before profiling), so its sizing does not charge them.
-            charged = ctx.reserve_sum[(first, last)] - ctx.reserve[(first, last)].get("pp_comms", 0)
+            # Nor FlashInfer's workspaces: vLLM 0.33 builds its attention backends with the KV cache.
+            charged = (ctx.reserve_sum[(first, last)] - ctx.reserve[(first, last)].get("pp_comms", 0)
+                       - ctx.reserve[(first, last)].get("flashinfer_workspace", 0))
             cost = ctx.rank_cost(start, end, first, last, 0)
             avail = requested - fixed - cost.weights_bytes - charged
             bpb = cost.kv_bytes_per_block

@@ -187,7 +187,8 @@ def test_explicit_utilization_caps_each_rank(make_config, big_first_pair):
     assert all(0 < kv < cap for kv in (r.kv_budget_bytes for r in applied.plan.ranks))
     # What the workers compare vLLM's profile with: budget - KV budget, less the CUDA context.
     for r, rec in zip(applied.plan.ranks, record.ranks):
-        assert rec.predicted_non_kv_bytes == r.budget_bytes - r.kv_budget_bytes - r.fixed_detail["cuda_context"]
+        assert rec.predicted_non_kv_bytes == (r.budget_bytes - r.kv_budget_bytes - r.fixed_detail["cuda_context"]
+                                              - rec.after_profile_bytes)
         assert 0 < rec.predicted_non_kv_bytes < cap
 
 
@@ -297,11 +298,36 @@ def test_mixed_capabilities_with_fp8_kv_share_one_attention_backend(engine_confi
 
 
 def test_a_hand_set_pool_past_the_plan_runs_with_a_warning(make_config, big_first_pair, monkeypatch, lines):
-    """--num-gpu-blocks-override 10 blocks past the largest pool of any split: vLLM does not check
-    it, so the executor does not refuse it either; it says which rank it expects short."""
+    """--num-gpu-blocks-override past the largest pool of any split (the pool objective's split is
+    within 1% of that pool, so 2% past it): vLLM does not check it, so the executor does not refuse
+    it either; it says which rank it expects short."""
     monkeypatch.setenv("VLLM_DUALGPU_OBJECTIVE", "pool")
     planned = apply.apply_plan(make_config()).plan
-    applied = apply.apply_plan(make_config(num_gpu_blocks_override=planned.num_blocks + 10)).plan
-    assert applied.num_blocks == planned.num_blocks + 10
+    past = int(planned.num_blocks * 1.02) + 10
+    applied = apply.apply_plan(make_config(num_gpu_blocks_override=past)).plan
+    assert applied.num_blocks == past
     assert [x for x in lines.messages if x.startswith(f"vllm-dualgpu: --num-gpu-blocks-override {applied.num_blocks}: rank ")
             and "is predicted short by" in x and x.endswith("lower the override")], lines.messages
+
+
+def test_flashinfer_workspaces_come_off_the_budget_vllm_sizes_the_kv_cache_from(make_config, monkeypatch):
+    """vLLM 0.33 builds its attention backends with the KV cache (v1/worker/gpu/model_runner.py,
+    initialize_kv_cache -> init_attn_backend), after its profile sized the pool, and FlashInfer then
+    allocates its 394 MiB workspace: vLLM never charges it. With an fp8 KV cache on cards of
+    different capability (FlashInfer on both), each rank's record carries that buffer, which the
+    worker takes off the budget it hands vLLM, and vLLM's charges are predicted without it."""
+    gpus = [VisibleGpu(0, "NVIDIA GeForce RTX 4070 Ti SUPER", 16 * GiB, 16 * GiB, (8, 9), 672.0, "GPU-a"),
+            VisibleGpu(1, "NVIDIA GeForce RTX 5090", 32 * GiB, 32 * GiB, (12, 0), 1792.0, "GPU-b")]
+    monkeypatch.setattr(apply, "read_visible_gpus", lambda: gpus)
+    for var in ("VLLM_PP_LAYER_PARTITION", envs.RESERVE, "CUDA_VISIBLE_DEVICES", envs.PLAN_FILE, envs.OBJECTIVE):
+        monkeypatch.delenv(var, raising=False)
+    cfg = make_config(kv_cache_dtype="fp8")
+    applied = apply.apply_plan(cfg)
+    records = handoff.load(cfg).ranks
+    assert [r.after_profile_bytes for r in records] == [394 * 2**20, 394 * 2**20]
+    for r, rec in zip(applied.plan.ranks, records):
+        assert rec.predicted_non_kv_bytes == (r.budget_bytes - r.kv_budget_bytes - r.fixed_detail["cuda_context"]
+                                              - 394 * 2**20)
+    bf16 = make_config()
+    apply.apply_plan(bf16)
+    assert [r.after_profile_bytes for r in handoff.load(bf16).ranks] == [0, 0]
