@@ -7,6 +7,7 @@ on a 16 GiB + 32 GiB pair, the expert's flags against zero flags.
     python benchmarks/headline.py OUTDIR --virtual none      # two GPUs, ballast leaving 16 and 32 GiB
     python benchmarks/headline.py OUTDIR --speed --virtual none [--launchers fp8-mtp]
     python benchmarks/headline.py OUTDIR --dry-run           # the arms as JSON; nothing starts
+    python benchmarks/headline.py OUTDIR --models DIR        # the model folders' root (default below)
 
 The pair. By default a virtual pair on ONE GPU: ``VLLM_DUALGPU_VIRTUAL_GPUS=SPEC`` (the ``--gpus``
 syntax of ``vllm-dualgpu plan``, small card first) makes the plugin see those cards, all on
@@ -18,7 +19,10 @@ The model: the bundled Qwen3.8-27B-class reference config (64 layers, 48 Gated D
 attention, vision tower, one MTP layer) with dummy weights in the launcher's format: NVFP4 (on SM
 9.0 vLLM runs NVFP4 through its weight-only W4A16 kernels, Marlin or FlashInfer CuTe DSL, not the
 W4A4 path of the reference setup's Blackwell card: weights and KV are the same size, the GEMMs
-are not), W8A16 (compressed-tensors, int8 per channel), FP8 (block 128). The DFlash2 drafter is
+are not), W8A16 (compressed-tensors, int8 per channel), FP8 (block 128). The model folders live
+under ``--models`` (default ``$XDG_CACHE_HOME`` or ``~/.cache``, then ``vllm-dualgpu/headline-models``),
+not under OUTDIR, one folder per content (``kept_folder``): vLLM hashes the model's and the
+drafter's paths into its torch.compile cache key, so runs into other OUTDIRs reuse the graphs. The DFlash2 drafter is
 the stand-in config the recipes are planned with (tests/fixtures/dflash2_drafter_standin.json:
 5 layers of the target's width, W4A16, sliding-window attention), dummy weights too. Every arm:
 the launcher's drafter (DFlash2 with 7 tokens, or MTP with 3), the vision tower on, fp8 KV,
@@ -61,12 +65,17 @@ split measuring decode ms/step; see ``speed_main``. ``arm_specs`` is what the CP
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
+import hashlib
 import json
 import math
+import os
 import re
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -231,10 +240,46 @@ def arm_specs(launcher: str, model: Path, *, total_gib: float, drafter: Path | N
     return arms
 
 
+def default_models_dir() -> Path:
+    """--models' default: one folder of the user's cache for every OUTDIR. vLLM 0.33 hashes the
+    model's path into its compile-cache key (ModelConfig.compute_hash), the drafter's too, so
+    folders under each OUTDIR made a run into a new OUTDIR compile its graphs again."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vllm-dualgpu" / "headline-models"
+
+
+def kept_folder(root: Path, name: str, write) -> Path:
+    """``write(folder)`` fills a new folder, kept as ``root/<name>-<digest of its files>``: the
+    same content always has the same path, and a folder once in place is never rewritten (the
+    rename is atomic; a run that finds it there drops its own copy)."""
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
+    try:
+        write(tmp)
+        h = hashlib.sha256()
+        for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
+            h.update(f"{f.relative_to(tmp).as_posix()}\0{f.stat().st_size}\0".encode())
+            h.update(f.read_bytes())
+        final = root / f"{name}-{h.hexdigest()[:12]}"
+        if not final.exists():
+            with contextlib.suppress(OSError):  # another run put the same content there first
+                tmp.rename(final)
+        return final
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def reference_model(root: Path, quant: str, tokenizer: bool = True) -> Path:
+    return kept_folder(root, quant, lambda d: write_reference_model(d, quant, tokenizer=tokenizer))
+
+
+def drafter_model(root: Path) -> Path:
+    return kept_folder(root, "dflash2-drafter", write_drafter)
+
+
 def write_models(root: Path) -> dict[str, Path]:
     """Every launcher's model folder (by weight format) and the drafter's, under ``root``."""
-    out = {q: write_reference_model(root / q, q) for q in ("w8a16", "fp8", "nvfp4")}
-    out["drafter"] = write_drafter(root / "dflash2-drafter")
+    out = {q: reference_model(root, q) for q in ("w8a16", "fp8", "nvfp4")}
+    out["drafter"] = drafter_model(root)
     return out
 
 
@@ -568,11 +613,11 @@ def plugin_split(out: Path, launcher: str) -> list[int] | None:
 
 
 def run_launcher(launcher: str, out: Path, kinds: set[str], total: float, virtual: str | None,
-                 limits: dict[str, int] = ARM_LIMIT_S) -> None:
-    """The arms of ``kinds`` for one launcher, in order; stock stops at the first boot."""
-    quant = QUANT[launcher]
-    model = write_reference_model(out / "models" / quant, quant)
-    drafter = write_drafter(out / "models" / "dflash2-drafter")
+                 limits: dict[str, int] = ARM_LIMIT_S, *, models: Path) -> None:
+    """The arms of ``kinds`` for one launcher, in order; stock stops at the first boot. The model
+    folders under ``models`` (``--models``)."""
+    model = reference_model(models, QUANT[launcher])
+    drafter = drafter_model(models)
     cards = virtual_cards(virtual) or FREE
     cards_mib = [round(c * 1024) for c in cards]
     stock_booted = False
@@ -655,7 +700,7 @@ def planned_split(model: Path, free_gib: list[float], total_gib: float, bw: list
     return {"order": list(p.order), "partition": list(p.partition), "max_model_len": p.max_model_len}
 
 
-def speed_main(out: Path, launcher: str, total: float, sweep: range) -> dict:
+def speed_main(out: Path, launcher: str, total: float, sweep: range, models: Path) -> dict:
     """A copy loop on GPU 1 (the 32 GiB card) takes part of its bandwidth; copy bandwidth of both
     GPUs before and after; the planner's speed split for the measured figures next to its split for
     NVML's (which the hog does not change: the plugin can only be told a bandwidth through NVML);
@@ -663,8 +708,8 @@ def speed_main(out: Path, launcher: str, total: float, sweep: range) -> dict:
     rank), decode ms/step at short context twice. Stable only if both bandwidth readings agree
     within 5% and each split's two ms/step readings within 1.5% (half the 3% being judged)."""
     quant = QUANT[launcher]
-    model = write_reference_model(out / "models" / quant, quant)
-    drafter = write_drafter(out / "models" / "dflash2-drafter")
+    model = reference_model(models, quant)
+    drafter = drafter_model(models)
     logs = out / "logs"
     ready = logs / "hog1.ready"
     ready.unlink(missing_ok=True)
@@ -754,7 +799,7 @@ def virtual_split(launcher: str, model: Path, drafter: Path, virtual: str) -> li
                     parse_gpus(virtual), req).plan.partition)
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("outdir", type=Path)
     ap.add_argument("--launchers", default=",".join(LAUNCHERS), help="comma-separated: " + ", ".join(LAUNCHERS))
@@ -768,6 +813,14 @@ def main() -> int:
                     help="every arm's wall-clock limit in seconds (default: " +
                          ", ".join(f"{k} {v}" for k, v in ARM_LIMIT_S.items()) + ")")
     ap.add_argument("--dry-run", action="store_true", help="print every arm's arguments and environment")
+    ap.add_argument("--models", type=Path, default=default_models_dir(), metavar="DIR",
+                    help="the model folders' root, one folder per content, kept between runs (vLLM's "
+                         "compile cache is keyed by the model path); default %(default)s")
+    return ap
+
+
+def main() -> int:
+    ap = build_parser()
     args = ap.parse_args()
     launchers = [x for x in args.launchers.split(",") if x]
     unknown = [x for x in launchers if x not in LAUNCHERS]
@@ -779,13 +832,14 @@ def main() -> int:
         virtual_cards(virtual)  # a bad spec fails here, with parse_gpus's line
     out = args.outdir.resolve()
     out.mkdir(parents=True, exist_ok=True)
+    models = args.models.expanduser().resolve()  # vLLM hashes the path as given
     if args.dry_run:
         total = H200_TOTAL_GIB
         cards = virtual_cards(virtual) or FREE
-        drafter = write_drafter(out / "models" / "dflash2-drafter")
+        drafter = drafter_model(models)
         arms = []
         for name in launchers:
-            model = write_reference_model(out / "models" / QUANT[name], QUANT[name], tokenizer=False)
+            model = reference_model(models, QUANT[name], tokenizer=False)
             chosen = plugin_split(out, name) or (
                 virtual_split(name, model, drafter, virtual) if virtual
                 else planned_split(model, FREE, total, [None, None], "pool")["partition"])
@@ -798,18 +852,18 @@ def main() -> int:
         if virtual:
             ap.error("--speed needs two GPUs (a bandwidth hog on the big one): add --virtual none")
         lo, hi = map(int, args.sweep.split(","))
-        speed_main(out / "speed", launchers[0], gpu_total_gib(), range(lo, hi + 1, 2))
+        speed_main(out / "speed", launchers[0], gpu_total_gib(), range(lo, hi + 1, 2), models)
         return 0
     limits = {k: args.limit for k in ARM_LIMIT_S} if args.limit else ARM_LIMIT_S
     if virtual:  # one GPU; its total decides the expert's utilization (vLLM's free-memory check)
         total = gpu_total_gib(1)
         for name in launchers:
-            run_launcher(name, out, kinds, total, virtual, limits)
+            run_launcher(name, out, kinds, total, virtual, limits, models=models)
     else:
         total = gpu_total_gib()
         with ballast(FREE, out / "logs"):
             for name in launchers:
-                run_launcher(name, out, kinds, total, None, limits)
+                run_launcher(name, out, kinds, total, None, limits, models=models)
     print(table(save_all(out)))
     return 0
 

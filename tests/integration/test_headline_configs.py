@@ -389,5 +389,5 @@ def test_run_launcher_runs_every_asked_arm(tmp_path, monkeypatch, kinds, expecte
     ran = []
     monkeypatch.setattr(hl, "run_arm", lambda arm, *a, **k: ran.append(arm.kind) or {"booted": True})
     monkeypatch.setattr(hl, "save_all", lambda out: [])
-    hl.run_launcher("fp8-mtp", tmp_path, kinds, TOTAL, hl.VIRTUAL)
+    hl.run_launcher("fp8-mtp", tmp_path, kinds, TOTAL, hl.VIRTUAL, models=tmp_path / "models")
     assert ran == expected

@@ -185,18 +185,21 @@ class DualGpuWorker(Worker):
         self._warm_pp_communicators()
         if getattr(self, "_virtual_card", None) is not None:
             virtual_card.hold_to_card(self.device)  # NCCL's buffers now count outside torch
-        available = super().determine_available_memory()
-        weights = _gib(getattr(self.model_runner, "model_memory_usage", 0) or 0)
         if getattr(self.cache_config, "kv_cache_memory_bytes", None):
+            available, split = self._set_kv_size_pass()
+            weights = _gib(getattr(self.model_runner, "model_memory_usage", 0) or 0)
             # vLLM ran its profile pass but measured nothing: the KV size is the one set. What this
-            # rank holds is torch's own figure (no empty_cache after the pass in this mode).
+            # rank holds is torch's own figure, after the cache was emptied.
             held = (f"torch's peak {_gib(torch.cuda.max_memory_allocated(self.device))}, "
                     f"reserved {_gib(torch.cuda.memory_reserved(self.device))}")
             rank_summary.note("non-KV", f"not profiled (--kv-cache-memory-bytes); {held}")
             logger.info("vllm-dualgpu rank %d: KV cache %s as set by --kv-cache-memory-bytes; vLLM "
                         "skipped its memory profile, so the plan's non-KV figure is not checked; "
-                        "weights %s, %s", self.rank, _gib(available), weights, held)
+                        "weights %s, %s%s", self.rank, _gib(available), weights, held, split)
             return available
+        # The profiled pass: vLLM applies the allocator's split limit around it itself.
+        available = super().determine_available_memory()
+        weights = _gib(getattr(self.model_runner, "model_memory_usage", 0) or 0)
         record = getattr(self, "_dualgpu_rank", None)
         predicted = record.predicted_non_kv_bytes if record else None
         non_kv = profiled_vs_predicted(self.requested_memory, available, predicted)
@@ -206,6 +209,27 @@ class DualGpuWorker(Worker):
         logger.info("vllm-dualgpu rank %d profiled: weights %s, non-KV %s, KV room %s of a %s budget",
                     self.rank, weights, non_kv, _gib(available), _gib(self.requested_memory))
         return available
+
+    def _set_kv_size_pass(self) -> tuple[int, str]:
+        """vLLM's pass for a set KV size, under the allocator split limit vLLM applies only to its
+        measured profile; then torch's wholly free segments go back to the card.
+
+        Without the limit, small blocks carved out of multi-GiB blocks freed during the pass pin
+        those segments: a rank held to its card then failed to allocate its KV cache with GiBs
+        "reserved by PyTorch but unallocated". Returns vLLM's KV bytes and a note for the log
+        (empty on a vLLM without ``_scoped_allocator_max_split``).
+        """
+        scoped = getattr(self, "_scoped_allocator_max_split", None)
+        if scoped is None:
+            available, split = super().determine_available_memory(), ""
+        else:
+            # 20 MiB: the smallest limit PyTorch allows, the one vLLM uses.
+            with scoped(max_split_size_mb=20):
+                available = super().determine_available_memory()
+            split = ", profile pass under the allocator split limit (max_split_size_mb 20)"
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return available, split
 
     def _warm_pp_communicators(self) -> None:
         """Create the pipeline's NCCL communicators now, so their buffers count before the KV pool.
