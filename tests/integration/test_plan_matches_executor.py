@@ -217,7 +217,9 @@ def test_reference_launcher_same_split_under_the_default_objective(engine_config
     result = assert_same(cli, ex)
     assert result.objective == "speed" and result.max_model_len == 262144
     assert result.drafter is not None and result.drafter.num_speculative_tokens == spec["num_speculative_tokens"]
-    # the rule, checked against every split forced on the same question
+    # the rule, checked against every split forced on the same question, each priced with the
+    # KV grouping the search settled on (the search prices every split with one grouping: a split
+    # whose own grouping would hold the context a little faster can be missed, docs/planner.md)
     model, request = ex
     gpus = parse_gpus(GPUS)
     # (the request's blocks, with the null block; the rule keeps 3% of them to spare where a split can)
@@ -227,7 +229,7 @@ def test_reference_launcher_same_split_under_the_default_objective(engine_config
     for n in range(1, model.num_layers):
         try:
             f = fit(model, gpus, dataclasses.replace(request, layer_partition=[n, model.num_layers - n],
-                                                     gpu_order=result.order))
+                                                     gpu_order=result.order), kv_layout=result.kv)
         except PlanError:  # not even one token fits on this split
             continue
         if f.fits:

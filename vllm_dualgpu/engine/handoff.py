@@ -36,10 +36,6 @@ class RankRecord:
     num_layers: int
     predicted_non_kv_bytes: int | None
     """What the planner expects vLLM's profile to charge besides the KV cache (no CUDA context)."""
-    after_profile_bytes: int = 0
-    """What vLLM allocates after its profile sized the KV cache, which it never charges: FlashInfer's
-    workspace buffers (vLLM 0.33 builds the attention backends with the KV cache). The worker
-    leaves it out of the budget it hands vLLM."""
     stage: int | None = None
     """Its pipeline rank (None: ``rank``, a pipeline without TP)."""
     tp_rank: int = 0
@@ -47,6 +43,10 @@ class RankRecord:
     """The Ray node of this rank (the dualgpu-ray executor); None on one host."""
     virtual_card: VirtualCard | None = None
     """The emulated card this rank presents as (VLLM_DUALGPU_VIRTUAL_GPUS); None: a real card."""
+    after_profile_bytes: int = 0
+    """What vLLM allocates after its profile sized the KV cache, which it never charges: FlashInfer's
+    workspace buffers (vLLM 0.33 builds the attention backends with the KV cache). The worker
+    leaves it out of the budget it hands vLLM."""
 
     @classmethod
     def from_dict(cls, data: dict) -> RankRecord:

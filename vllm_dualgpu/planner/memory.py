@@ -83,6 +83,8 @@ class MemoryModel:
     #: 0.09 GiB measured a rank on the virtual pair (NCCL's socket transport); the worker's
     #: summary line reports the real figure
     pp_comms_pcie_bytes: int = 128 * MIB
+    #: a TP group's communicator over PCIe (planner/topology_shard.py): an estimate, not measured
+    tp_comms_pcie_bytes: int = 256 * MIB
 
     def context_bytes(self, nvlink: bool) -> int:
         """What a process holds before vLLM's snapshot, by the pair's link."""

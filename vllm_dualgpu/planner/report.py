@@ -21,6 +21,7 @@ _RESERVE_LABELS = {
     "sampler": "  sampler logits",
     "vision_encoder": "  vision encoder pass",
     "workspaces": "  workspaces",
+    "flashinfer_workspace": "  FlashInfer workspaces",
     "cuda_graphs": "  CUDA graphs",
     "pp_comms": "  NCCL buffers (pipeline)",
 }

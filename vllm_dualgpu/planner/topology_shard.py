@@ -83,12 +83,12 @@ def tp_extra_reserve(full: ModelSpec, shard: ModelSpec, tp: int, max_num_seqs: i
 
     * The sampler works on logits gathered to the full vocabulary (``LogitsProcessor`` gathers
       the vocab-parallel output), while the shard config sizes it for one slice: the difference.
-    * The TP group's own NCCL communicator: the same estimate as a pipeline's over PCIe
-      (``MemoryModel.pp_comms_pcie_bytes``), not measured yet.
+    * The TP group's own NCCL communicator (``MemoryModel.tp_comms_pcie_bytes``): an estimate,
+      not measured (an all-reduce group keeps more buffers than the pipeline's send/recv pair).
 
     Charged to every card of the group (only the last stage samples; a conservative choice).
     """
     if tp == 1:
         return 0
     sampler = sampler_bytes(full, max_num_seqs, mm) - sampler_bytes(shard, max_num_seqs, mm)
-    return max(sampler, 0) + mm.pp_comms_pcie_bytes
+    return max(sampler, 0) + mm.tp_comms_pcie_bytes
