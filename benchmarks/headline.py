@@ -49,7 +49,8 @@ A ``stock`` arm (vLLM's even split and default utilization) is available with --
 
 Each arm that boots measures (``measure``): the KV pool, greedy token ids, TTFT at ~32K and ~250K
 tokens, decode ms per step at short, 32K and ~250K context, the second turn of a 33K conversation
-(prefix cache). The parent samples every GPU process's used memory (NVML, every 0.25 s) and maps
+(prefix cache), then one ~4-megapixel image (rank 0's vision encoder pass with the KV cache
+allocated). The parent samples every GPU process's used memory (NVML, every 0.25 s) and maps
 each worker process to its pipeline rank from vLLM's log prefix (``Worker_PP<r> pid=<pid>``): the
 per-rank peak, the 250K prompt included. A refusal records vLLM's or the plugin's line with the
 largest context that fits. Results per arm in OUTDIR/arms/*.json; OUTDIR/headline.json is the
@@ -333,8 +334,12 @@ def decode_at(llm, ids: list[int]) -> dict:
             "decode_tokens": len(run["tokens"]) - 1, "steps_counted": bool(run["steps"])}
 
 
-# The ~250K prompt second: the per-rank peak it drives is what the memory claims are about.
-MEASURES = ("short", "long", "mid", "second_turn")
+# The ~250K prompt second: the per-rank peak it drives is what the memory claims are about. The
+# image last: its vision encoder pass on rank 0, with the KV cache allocated, is the other peak the
+# plan charges (and a failure there ends no other measurement).
+MEASURES = ("short", "long", "mid", "second_turn", "image")
+IMAGE_SIDE = 2048  # 2048 x 2048 = 4,194,304 pixels: the reference launchers' max_pixels
+IMAGE_PROMPT = "<|vision_start|><|image_pad|><|vision_end|>Describe the image."
 
 
 def save_progress(res: dict, progress: str | None) -> None:
@@ -356,7 +361,8 @@ def measure(llm, deadline: float, parts: tuple[str, ...] = MEASURES, progress: s
     res["greedy_token_ids"] = greedy["tokens"]
     save_progress(res, progress)
     steps = {"short": lambda: decode_at(llm, prompt(SHORT, 2)), "mid": lambda: decode_at(llm, prompt(MID, 3)),
-             "second_turn": lambda: second_turn(llm), "long": lambda: decode_at(llm, prompt(LONG, 5))}
+             "second_turn": lambda: second_turn(llm), "long": lambda: decode_at(llm, prompt(LONG, 5)),
+             "image": lambda: image_turn(llm)}
     for name in parts:
         fn = steps[name]
         if time.time() > deadline:
@@ -379,6 +385,21 @@ def second_turn(llm) -> dict:
     second = timed(llm, follow, 1)
     return {"first_turn_s": round(first["s"], 3), "second_turn_ttft_s": round(second["s"], 3),
             "second_turn_tokens": len(follow)}
+
+
+def image_turn(llm) -> dict:
+    """One image of about 4 megapixels (noise, so no two patches are alike) and one new token: its
+    TTFT and how many prompt tokens the image became."""
+    import numpy as np
+    from PIL import Image
+    from vllm import SamplingParams
+
+    pixels = np.random.default_rng(0).integers(0, 256, (IMAGE_SIDE, IMAGE_SIDE, 3), dtype=np.uint8)
+    t = time.perf_counter()
+    out = llm.generate([{"prompt": IMAGE_PROMPT, "multi_modal_data": {"image": Image.fromarray(pixels)}}],
+                       SamplingParams(temperature=0, max_tokens=1, detokenize=False), use_tqdm=False)[0]
+    return {"pixels": IMAGE_SIDE * IMAGE_SIDE, "prompt_tokens": len(out.prompt_token_ids or []),
+            "ttft_s": round(time.perf_counter() - t, 3)}
 
 
 def boot_only(llm) -> dict:

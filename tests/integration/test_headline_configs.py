@@ -394,3 +394,30 @@ def test_run_launcher_runs_every_asked_arm(tmp_path, monkeypatch, kinds, expecte
     monkeypatch.setattr(hl, "save_all", lambda out: [])
     hl.run_launcher("fp8-mtp", tmp_path, kinds, TOTAL, hl.VIRTUAL, models=tmp_path / "models")
     assert ran == expected
+
+
+def test_the_arms_end_with_one_image_of_four_megapixels():
+    """Rank 0's other peak: the vision encoder's pass over a ~4 MP image with the KV cache
+    allocated (the plan charges it; the fifth run's arms sent no image). Last, so a failure there
+    costs no other measurement; the placeholder is the one the reference tokenizer carries."""
+    from gpu_models import VISION_TOKENS
+
+    seen = []
+
+    class Out:
+        prompt_token_ids = list(range(4100))
+
+    class FakeLLM:
+        def generate(self, prompts, params, use_tqdm=False):
+            seen.append((prompts, params))
+            return [Out()]
+
+    assert hl.MEASURES[-1] == "image"
+    r = hl.image_turn(FakeLLM())
+    (prompts, params), = seen
+    image = prompts[0]["multi_modal_data"]["image"]
+    assert image.size == (2048, 2048) and image.mode == "RGB"
+    assert all(t in prompts[0]["prompt"] for t in ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>"))
+    assert set(("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")) <= set(VISION_TOKENS)
+    assert params.max_tokens == 1 and params.temperature == 0
+    assert r["pixels"] == 4_194_304 and r["prompt_tokens"] == 4100 and r["ttft_s"] >= 0
