@@ -671,7 +671,7 @@ def fit(
         # a trade only where the pool objective's split holds more (its 1% tolerance can take a
         # faster split with a smaller pool than the speed rule's, on cards of equal speed)
         if alt.fits and (alt.plan.order, alt.plan.partition) != (p.order, p.partition) \
-                and alt.plan.num_blocks > p.num_blocks:
+                and alt.plan.pool_tokens > p.pool_tokens:  # (blocks of two groupings differ in size)
             p.pool_alternative = PoolAlternative.of(alt.plan)
     return f
 
