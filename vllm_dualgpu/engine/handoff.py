@@ -43,6 +43,9 @@ class RankRecord:
     """The Ray node of this rank (the dualgpu-ray executor); None on one host."""
     virtual_card: VirtualCard | None = None
     """The emulated card this rank presents as (VLLM_DUALGPU_VIRTUAL_GPUS); None: a real card."""
+    reserve_reason: str | None = None
+    """Why ``reserve_bytes`` (``envs.Reserve.why``: the card's display state, or
+    VLLM_DUALGPU_RESERVE); None: not recorded."""
 
     @classmethod
     def from_dict(cls, data: dict) -> RankRecord:
