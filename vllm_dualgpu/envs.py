@@ -3,13 +3,50 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import Sequence
 
 
 # Per-GPU memory kept free for other programs (a desktop, a browser), in visible-GPU order.
+# Unset: each card keeps what its display state asks for (:func:`default_reserve`).
 RESERVE = "VLLM_DUALGPU_RESERVE"
-# 1 GiB: at 256 MiB an H200 pair ran out of memory in FlashInfer autotune's warm-up runs
-# (docs/benchmarks.md); llama.cpp's --fit keeps the same margin by default.
+# Kept free on a card that drives a display (a desktop grows and shrinks on it), and on one whose
+# display state NVML cannot say: 1 GiB, the margin llama.cpp's --fit keeps by default; the
+# reference setup kept 0.6-1.5 GiB free on its desktop card.
 DEFAULT_RESERVE_BYTES = 1024**3
+# Kept free on a card without a display: nothing else lives there, the margin is for
+# fragmentation and the memory model's estimate error. The reference setup ran its headless card
+# nearly full; 1 GiB there kept three of its launchers short of 262,144 tokens on a GPU run. (An
+# H200 pair at 256 MiB once ran out of memory in FlashInfer autotune's warm-up, before autotune
+# was turned off under PP and the pipeline's NCCL buffers were charged: docs/benchmarks.md.)
+HEADLESS_RESERVE_BYTES = 256 * 1024**2
+
+# Why a card keeps what it keeps (the executor's log, `plan`'s note).
+DISPLAY_ACTIVE = "display active"
+NO_DISPLAY = "no display on this card"
+DISPLAY_UNKNOWN = "display state unknown"
+
+
+@dataclass(frozen=True)
+class Reserve:
+    """The memory kept free on one card and why."""
+
+    bytes: int
+    why: str
+
+    def text(self) -> str:
+        return f"{self.bytes / 1024**3:.2f} GiB kept free ({self.why})"
+
+
+def default_reserve(display: bool | None) -> Reserve:
+    """What a card keeps free without ``VLLM_DUALGPU_RESERVE``: 1 GiB where it drives a display
+    or where that is unknown (NVML cannot say, an offline ``--gpus`` entry without
+    ``display=``), 256 MiB where it has none."""
+    if display is False:
+        return Reserve(HEADLESS_RESERVE_BYTES, NO_DISPLAY)
+    return Reserve(DEFAULT_RESERVE_BYTES, DISPLAY_ACTIVE if display else DISPLAY_UNKNOWN)
+
+
 # Which split the search takes: speed (default), pool or auto (= speed); planner/objective.py.
 OBJECTIVE = "VLLM_DUALGPU_OBJECTIVE"
 # Where the executor writes the plan it applied, as JSON (optional).
@@ -42,11 +79,11 @@ def parse_size(text: str, *, what: str = "size") -> int:
     return _parse(text, what=what)
 
 
-def parse_reserve_sizes(text: str | None) -> list[int]:
+def parse_reserve_sizes(text: str | None) -> list[int] | None:
     """``VLLM_DUALGPU_RESERVE`` as sizes: one for every GPU, or one per visible GPU ('0,1.5GiB');
-    unset or empty: the default for every GPU (one value)."""
+    unset or empty: None (each card keeps its :func:`default_reserve`)."""
     if text is None or text.strip() == "":
-        return [DEFAULT_RESERVE_BYTES]
+        return None
     return [parse_size(p, what=RESERVE) for p in text.split(",")]
 
 
@@ -63,9 +100,19 @@ def expand_reserves(sizes: list[int], num_gpus: int, text: str | None = None) ->
     return list(sizes)
 
 
-def parse_reserve(text: str | None, num_gpus: int) -> list[int]:
-    """``VLLM_DUALGPU_RESERVE`` for ``num_gpus`` visible GPUs (the offline ``plan`` command)."""
-    return expand_reserves(parse_reserve_sizes(text), num_gpus, text)
+def card_reserves(sizes: list[int] | None, displays: Sequence[bool | None],
+                  text: str | None = None) -> list[Reserve]:
+    """The reserve of each visible GPU (``displays``: each card's display state, in visible-GPU
+    order): ``VLLM_DUALGPU_RESERVE``'s sizes where it is set, else each card's
+    :func:`default_reserve`. The executor and ``vllm-dualgpu plan`` both ask this."""
+    if sizes is None:
+        return [default_reserve(d) for d in displays]
+    return [Reserve(b, RESERVE) for b in expand_reserves(sizes, len(displays), text)]
+
+
+def reserves(text: str | None, displays: Sequence[bool | None]) -> list[Reserve]:
+    """``VLLM_DUALGPU_RESERVE``'s text (None: unset) for GPUs with these display states."""
+    return card_reserves(parse_reserve_sizes(text), displays, text)
 
 
 def parse_partition(text: str | None, num_layers: int, pp_size: int) -> list[int] | None:

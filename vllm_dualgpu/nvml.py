@@ -17,6 +17,7 @@ class VisibleGpu:
     uuid: str
     nvlink: bool | None = None  # an active NVLink; None when NVML cannot say
     pci_bus_id: str | None = None  # e.g. "00000000:01:00.0"; None when NVML cannot say
+    display: bool | None = None  # an active display (a desktop holds memory on it); None when NVML cannot say
 
 
 def _pci_bus_id(pynvml, handle) -> str | None:
@@ -44,6 +45,16 @@ def _has_nvlink(pynvml, handle) -> bool | None:
         except Exception:
             return None
     return False if saw_answer else None
+
+
+def _display_active(pynvml, handle) -> bool | None:
+    """Whether the card drives a display (a desktop or X server has memory on it): NVML's
+    display-active state; None when NVML cannot say (not supported, no such call)."""
+    try:
+        state = pynvml.nvmlDeviceGetDisplayActive(handle)
+    except Exception:
+        return None
+    return state == getattr(pynvml, "NVML_FEATURE_ENABLED", 1)
 
 
 def _bandwidth_gbps(pynvml, handle) -> float | None:
@@ -109,6 +120,7 @@ def read_visible_gpus() -> list[VisibleGpu]:
                     uuid=uuid.decode() if isinstance(uuid, bytes) else uuid,
                     nvlink=_has_nvlink(pynvml, h),
                     pci_bus_id=_pci_bus_id(pynvml, h),
+                    display=_display_active(pynvml, h),
                 )
             )
         return out
@@ -133,6 +145,7 @@ def to_gpu_facts(gpus: list[VisibleGpu], reserves: list[int] | None = None,
             reserve_bytes=reserves[i] if reserves else 0,
             nvlink=g.nvlink,
             cap_bytes=caps[i] if caps else None,
+            display=g.display,
         ).with_known_defaults()
         for i, g in enumerate(gpus)
     ]

@@ -1,7 +1,8 @@
 """Virtual GPUs: several emulated cards on one physical GPU, for testing a mismatched pair.
 
 ``VLLM_DUALGPU_VIRTUAL_GPUS="RTX 4070 Ti SUPER:16GiB,RTX 5090:32GiB"`` (the ``--gpus`` syntax of
-``vllm-dualgpu plan``: ``NAME[:TOTAL[:FREE]][:cc=X.Y]``) makes the dualgpu executor see those
+``vllm-dualgpu plan``: ``NAME[:TOTAL[:FREE]][:cc=X.Y][:display=yes|no]``; a card is headless
+unless it says ``display=yes``, as the physical GPU is) makes the dualgpu executor see those
 cards, in that order, instead of the GPUs NVML lists, all of them on the first visible GPU. The
 real path runs on them: NVML facts -> plan -> executor -> workers -> vLLM's profiling. Each
 rank then presents as its card (name, total and free memory, capability where the physical GPU
@@ -40,6 +41,9 @@ class VirtualCard:
     physical_id: int
     physical_name: str
     physical_total_bytes: int
+    display: bool = False
+    """Whether the card presents as driving a display (``display=yes``): it then keeps the
+    memory a desktop card keeps free. Default: headless, like the physical data-centre GPU."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -106,7 +110,7 @@ def parse(spec: str, physical_id: int, physical_name: str, physical_total: int,
             capability=tuple(f.capability) if f.capability else None,
             reported_capability=runnable_capability(f.capability, physical_capability),
             physical_id=physical_id, physical_name=physical_name,
-            physical_total_bytes=physical_total))
+            physical_total_bytes=physical_total, display=bool(f.display)))
     return cards
 
 
@@ -122,7 +126,7 @@ def substitute(visible: list, spec: str | None):
     gpus = [
         replace(g, name=c.name, total_bytes=c.total_bytes, free_bytes=c.free_bytes,
                 capability=c.capability or tuple(g.capability), bandwidth_gbps=None,
-                uuid=f"{g.uuid}/virtual-{i}", nvlink=False)
+                uuid=f"{g.uuid}/virtual-{i}", nvlink=False, display=c.display)
         for i, c in enumerate(cards)
     ]
     return gpus, cards

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import headline as hl  # noqa: E402
 
-from vllm_dualgpu.envs import DEFAULT_RESERVE_BYTES  # noqa: E402
+from vllm_dualgpu.envs import HEADLESS_RESERVE_BYTES  # noqa: E402
 from vllm_dualgpu.patching.runtime import runtime_assumptions  # noqa: E402
 from vllm_dualgpu.planner import ModelSpec, PlanRequest, fit, parse_gpus, reference_config  # noqa: E402
 
@@ -38,7 +38,8 @@ def test_each_expert_pool_is_one_request_under_the_grouping_that_runs(launcher):
                       num_gpu_blocks_override=hl.EXPERT_BLOCKS[launcher],
                       **runtime_assumptions().request_fields())  # what the installed vLLM's patches give
     cfg = {k: v for k, v in reference_config().items() if k != "_vllm_dualgpu"}
-    cards = [replace(g, reserve_bytes=DEFAULT_RESERVE_BYTES) for g in parse_gpus(hl.VIRTUAL)]  # as the executor
+    # as the executor: the virtual cards say no display=yes, so they are headless
+    cards = [replace(g, reserve_bytes=HEADLESS_RESERVE_BYTES) for g in parse_gpus(hl.VIRTUAL)]
     f = fit(ModelSpec.from_hf_config(cfg, weight_format=FORMAT[launcher]), cards, req)
     assert f.fits and f.plan.partition == e["partition"]
     assert f.plan.kv.blocks_per_request(hl.MAX_MODEL_LEN) + 1 == hl.EXPERT_BLOCKS[launcher]

@@ -74,13 +74,15 @@ def plan_gpus_spec(gpus) -> str:
     from vllm_dualgpu import envs
     from vllm_dualgpu.nvml import to_gpu_facts
 
+    displays = [g.display for g in gpus]
     try:
-        reserves = envs.parse_reserve(os.environ.get(envs.RESERVE), len(gpus))
+        reserves = envs.reserves(os.environ.get(envs.RESERVE), displays)
     except ValueError:
-        reserves = [envs.DEFAULT_RESERVE_BYTES] * len(gpus)
+        reserves = [envs.default_reserve(d) for d in displays]
     mib = 1 << 20
+    said = {True: ":display=yes", False: ":display=no", None: ""}
     return ",".join(
-        f"{f.name}:{f.total_bytes // mib}MiB:{f.free_bytes // mib}MiB:reserve={r // mib}MiB"
+        f"{f.name}:{f.total_bytes // mib}MiB:{f.free_bytes // mib}MiB:reserve={r.bytes // mib}MiB{said[f.display]}"
         for f, r in zip(to_gpu_facts(gpus), reserves)
     )
 

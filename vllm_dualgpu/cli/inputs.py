@@ -47,17 +47,28 @@ def read_config(model: str) -> tuple[dict, str]:
         raise UsageError(f"cannot read {cfg}: {e}") from None
 
 
-def with_default_reserves(gpus, spec: str | None):
-    """GPUs whose --gpus entry names no reserve= get what the executor would keep free on them:
-    VLLM_DUALGPU_RESERVE, else its default (1 GiB a card)."""
-    from dataclasses import replace
-
+def card_reserves(gpus, spec: str | None) -> list:
+    """What each card keeps free and why (``envs.Reserve``): its ``--gpus`` entry's reserve=,
+    else what the executor would keep there: VLLM_DUALGPU_RESERVE, else by the card's display
+    (1 GiB with a display or where that is unknown, 256 MiB without: envs.card_reserves)."""
     from vllm_dualgpu import envs
 
     try:
-        defaults = envs.parse_reserve(os.environ.get(envs.RESERVE), len(gpus))
+        rules = envs.reserves(os.environ.get(envs.RESERVE), [g.display for g in gpus])
     except ValueError as e:
         raise UsageError(str(e)) from None
     entries = spec.split(",") if spec else [""] * len(gpus)
-    return [g if "reserve=" in entry else replace(g, reserve_bytes=r)
-            for g, entry, r in zip(gpus, entries, defaults)]
+    return [envs.Reserve(g.reserve_bytes, GIVEN_RESERVE) if "reserve=" in entry else r
+            for g, entry, r in zip(gpus, entries, rules)]
+
+
+GIVEN_RESERVE = "--gpus reserve="
+"""Why a card keeps its reserve when its ``--gpus`` entry names it."""
+
+
+def with_default_reserves(gpus, spec: str | None):
+    """GPUs whose --gpus entry names no reserve= get what the executor would keep free on them
+    (:func:`card_reserves`)."""
+    from dataclasses import replace
+
+    return [replace(g, reserve_bytes=r.bytes) for g, r in zip(gpus, card_reserves(gpus, spec))]

@@ -14,18 +14,20 @@ import os
 import re
 import shlex
 import sys
+from dataclasses import replace
 
 from vllm_dualgpu.cli.inputs import REFERENCE_PLACEHOLDER
 from vllm_dualgpu.cli.inputs import UsageError as _Fail
 from vllm_dualgpu.cli.inputs import read_config as _read_config
-from vllm_dualgpu.cli.inputs import with_default_reserves as _with_default_reserves
+from vllm_dualgpu.cli.inputs import card_reserves as _card_reserves
 from vllm_dualgpu.planner.objective import DEFAULT_OBJECTIVE, OBJECTIVES, rule
 
 _EPILOG = """\
 --gpus syntax: comma-separated NAME[:TOTAL[:FREE]][:key=value...], in CUDA index order.
   Known cards need no size: --gpus "RTX 4070 Ti SUPER,RTX 5090"
   Sizes: 16GiB, 15.5GiB, 512MiB (binary), 16GB (decimal); a bare number is GiB.
-  Keys: free=, reserve= (memory to leave free, e.g. for a desktop), bw= (GB/s), cc= (e.g. 8.9)
+  Keys: free=, reserve= (memory to leave free, e.g. for a desktop), bw= (GB/s), cc= (e.g. 8.9),
+  display=yes|no (the card drives a desktop: 1 GiB kept free; no display: 256 MiB; unsaid: 1 GiB)
   Example: --gpus "RTX 4070 Ti SUPER:16GiB,RTX 5090:32GiB:30GiB:reserve=1GiB"
   --gpus local reads this machine's GPUs through NVML.
 Exit status: 0 planned, 1 cannot be planned as asked (the message says what fits), 2 bad arguments.
@@ -181,9 +183,25 @@ def _cards(args, have_model: bool):
     gpus, notes, uuids = _gpus_as_given(args, have_model)
     explicit = args.gpus if args.gpus is not None and args.gpus.strip().lower() != "local" else None
     given = {i for i, entry in enumerate(explicit.split(",")) if "bw=" in entry} if explicit else set()
-    used = machine_profile.apply(_with_default_reserves(gpus, explicit), uuids, getattr(args, "profile", None),
-                                 keep=given)
-    return used.gpus, notes, used
+    reserves = _card_reserves(gpus, explicit)
+    gpus = [replace(g, reserve_bytes=r.bytes) for g, r in zip(gpus, reserves)]
+    note = _reserve_note(gpus, reserves, from_nvml=uuids is not None)
+    used = machine_profile.apply(gpus, uuids, getattr(args, "profile", None), keep=given)
+    return used.gpus, notes + ([note] if note else []), used
+
+
+def _reserve_note(gpus, reserves, from_nvml: bool) -> str | None:
+    """Why each card keeps what the table's "left free for others" row shows (no row, no note)."""
+    from vllm_dualgpu import envs
+
+    if not any(r.bytes for r in reserves):
+        return None
+    text = "left free for others: " + ", ".join(
+        f"{r.bytes / 1024**3:.2f} GiB on [{g.index}] {g.short_name} ({r.why})" for g, r in zip(gpus, reserves))
+    if not from_nvml and any(r.why == envs.DISPLAY_UNKNOWN for r in reserves):
+        text += (f"; an unknown display is kept as an active one: write display=no in a headless card's --gpus "
+                 f"entry ({envs.HEADLESS_RESERVE_BYTES / 1024**3:.2f} GiB) or display=yes")
+    return text
 
 
 def _profile_env(args) -> str | None:

@@ -47,6 +47,9 @@ class RankRecord:
     """What vLLM allocates after its profile sized the KV cache, which it never charges: FlashInfer's
     workspace buffers (vLLM 0.33 builds the attention backends with the KV cache). The worker
     leaves it out of the budget it hands vLLM."""
+    reserve_reason: str | None = None
+    """Why ``reserve_bytes`` (``envs.Reserve.why``: the card's display state, or
+    VLLM_DUALGPU_RESERVE); None: not recorded."""
 
     @classmethod
     def from_dict(cls, data: dict) -> RankRecord:

@@ -127,12 +127,14 @@ def apply_plan(vllm_config) -> AppliedPlan:
     settings = _settings(vllm_config)
     # VLLM_DUALGPU_VIRTUAL_GPUS: emulated cards on the first visible GPU (off unless set)
     visible, virtual = virtual_gpus.substitute(visible, settings.get("virtual_gpus"))
-    reserves_visible = envs.expand_reserves(settings["reserve_bytes"], len(visible))
+    # VLLM_DUALGPU_RESERVE, else each card's display state (`plan` asks the same function)
+    reserves_visible = envs.card_reserves(settings["reserve_bytes"], [g.display for g in visible])
     tp = pc.tensor_parallel_size
     used = choose_gpus(visible, pp, tp)
+    reserves = reserves_visible[: len(used)]
     user_partition = settings["user_partition"]
     caps = _utilization_caps(settings.get("gpu_memory_utilization"), [g.total_bytes for g in used])
-    facts = measured_bandwidths(to_gpu_facts(used, reserves_visible[: len(used)], caps), used)
+    facts = measured_bandwidths(to_gpu_facts(used, [r.bytes for r in reserves], caps), used)
     request = plan_request(vllm_config, user_partition)
     stages = plan_stages(vllm_config.model_config.hf_config.to_dict(), facts, pp, tp, request,
                          quantization=vllm_config.model_config.quantization)
@@ -154,8 +156,10 @@ def apply_plan(vllm_config) -> AppliedPlan:
     cards = [virtual[card.index] for _, _, card in placed] if virtual else None
     if virtual:
         _virtual_ranks(pc, cards)
-    hand_over(vllm_config, _handoff(result, ranked, user_partition, stages, cards),
-              off="per-rank memory budgets and summary lines", kept="the GPU order and layer split")
+    why = [reserves[card.index].why for _, _, card in placed]  # each rank's card's reason
+    record = _handoff(result, ranked, user_partition, stages, cards, why)
+    hand_over(vllm_config, record, off="per-rank memory budgets and summary lines",
+              kept="the GPU order and layer split")
     for line in _overrides(vllm_config, user_partition):
         logger.info(line)
     logger.info(
@@ -166,6 +170,7 @@ def apply_plan(vllm_config) -> AppliedPlan:
         f"{result.num_blocks:,}",
         f"{result.max_context_tokens:,}",
     )
+    logger.info("vllm-dualgpu: %s", kept_free_line(record))
     for warning in result.warnings:  # a hand-set pool the plan finds tight: it runs as set
         logger.warning("vllm-dualgpu: %s", warning)
     trade = result.trade_line()  # the pool objective's split, when the speed rule chose another
@@ -202,6 +207,14 @@ def hand_over(vllm_config, record: handoff.Handoff, off: str, kept: str) -> None
                        pc.worker_cls, off, kept)
 
 
+def kept_free_line(record: handoff.Handoff) -> str:
+    """What each rank keeps free on its card and why (the worker budgets free memory minus it)."""
+    return "; ".join(
+        f"rank {r.rank} on GPU {r.physical_gpu_id} ({r.gpu_name}): "
+        + envs.Reserve(r.reserve_bytes, r.reserve_reason or "reason not recorded").text()
+        for r in record.ranks)
+
+
 def _gpu_text(g: VisibleGpu) -> str:
     return f"{g.physical_id}:{g.name} ({g.free_bytes / GiB:.1f}/{g.total_bytes / GiB:.1f} GiB free)"
 
@@ -229,10 +242,11 @@ def _virtual_ranks(pc, cards) -> None:
 
 
 def _handoff(result, ranked: list[VisibleGpu], user_partition, stages=None,
-             cards=None) -> handoff.Handoff:
+             cards=None, why: list[str] | None = None) -> handoff.Handoff:
     """The per-rank record the workers read (see engine/handoff.py for what it may hold): one a
     vLLM rank, each rank of a TP group with its stage's plan and its own card's reserve and cap
-    (``stages``: planner/tp_stages.TpStages; None: a pipeline of single cards)."""
+    (``stages``: planner/tp_stages.TpStages; None: a pipeline of single cards; ``why``: each
+    rank's reason for its reserve, ``envs.Reserve.why``)."""
     if stages is not None:
         placed, tp, extra = stages.rank_cards(result.order), stages.tp, stages.extra_reserve_bytes
     else:
@@ -258,6 +272,7 @@ def _handoff(result, ranked: list[VisibleGpu], user_partition, stages=None,
             stage=stage,
             tp_rank=tp_rank,
             virtual_card=cards[rank] if cards else None,
+            reserve_reason=why[rank] if why else None,
         ))
     source = "user" if user_partition is not None else ("plan" if result.partition_env() else "even")
     return handoff.Handoff(tuple(ranks), tuple(result.partition), source, tp)

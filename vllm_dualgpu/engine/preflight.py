@@ -115,13 +115,14 @@ def check(vllm_config, nvml_gpu_count: int | None = None) -> list[str]:
 def capture_settings(vllm_config, nvml_gpu_count: int | None = None) -> None:
     """Read the user's settings once, here, and hand them to the executor in the config.
 
-    ``VLLM_DUALGPU_RESERVE`` (checked against the visible GPU count once NVML gives it) and the
+    ``VLLM_DUALGPU_RESERVE`` (checked against the visible GPU count once NVML gives it; None
+    when unset: the executor then keeps each card's default by its display state) and the
     user's own ``VLLM_PP_LAYER_PARTITION`` (checked as vLLM will check it) go into
     ``additional_config["dualgpu"]``; the executor reads them from there.
     """
     reserve_text = os.environ.get(envs.RESERVE)
-    sizes = envs.parse_reserve_sizes(reserve_text)
-    if nvml_gpu_count is not None:
+    sizes = envs.parse_reserve_sizes(reserve_text)  # None: unset, each card by its display
+    if nvml_gpu_count is not None and sizes is not None:
         envs.expand_reserves(sizes, nvml_gpu_count, reserve_text)
     user_partition = envs.parse_partition(
         partition.users_partition_text(), num_hidden_layers(vllm_config),

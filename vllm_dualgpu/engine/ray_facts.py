@@ -42,7 +42,7 @@ def read_node_facts() -> dict:
 
     gpus = [{"index": g.physical_id, "name": g.name, "total_bytes": g.total_bytes,
              "free_bytes": g.free_bytes, "bandwidth_gbps": g.bandwidth_gbps,
-             "capability": list(g.capability), "nvlink": g.nvlink}
+             "capability": list(g.capability), "nvlink": g.nvlink, "display": g.display}
             for g in nvml.read_visible_gpus()]
     return {
         "node_id": ray.get_runtime_context().get_node_id(),

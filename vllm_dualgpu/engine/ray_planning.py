@@ -112,8 +112,8 @@ def apply_to_bundles(vllm_config, nodes: list[NodeFacts], bundles: list[tuple[in
     held = Counter(node for _, node in bundles)
     refuse_if_any(cluster_problems(nodes, dict(held), pc.world_size, pc.tensor_parallel_size, driver_env()))
     settings = planning._settings(vllm_config)
-    sizes = settings["reserve_bytes"]
-    if len(sizes) > 1:
+    sizes = settings["reserve_bytes"]  # None: each card by its display state
+    if sizes is not None and len(sizes) > 1:
         raise ClusterRefused(f"vllm-dualgpu: {envs.RESERVE} lists one reserve per card, which names cards of "
                              "one host; across Ray nodes give one value for every card")
     model = ModelSpec.from_hf_config(vllm_config.model_config.hf_config.to_dict(),
@@ -121,7 +121,7 @@ def apply_to_bundles(vllm_config, nodes: list[NodeFacts], bundles: list[tuple[in
     user_partition = settings["user_partition"]
     request = planning.plan_request(vllm_config, user_partition)
     order, cards, ordered_request, result = plan_across_nodes(
-        model, [n for n in nodes if not n.error and held.get(n.node_id)], request, sizes[0],
+        model, [n for n in nodes if not n.error and held.get(n.node_id)], request, sizes,
         settings.get("gpu_memory_utilization"))
     # vLLM's own (patched) KV functions price the chosen order's split, as on one host.
     result, _ = kv_pricing.reprice(vllm_config, result, lambda layout: planning.plan_or_explain(
@@ -134,15 +134,23 @@ def apply_to_bundles(vllm_config, nodes: list[NodeFacts], bundles: list[tuple[in
     os.environ[BUNDLE_ENV] = ",".join(map(str, indices))
     ranked = [VisibleGpu(g.index, g.name, g.total_bytes, g.free_bytes, g.capability or (0, 0),
                          g.bandwidth_gbps, "", g.nvlink) for _, g in order]
-    record = planning._handoff(result, ranked, user_partition)
+    why = [r.why for r in _reserves(sizes, order)]
+    record = planning._handoff(result, ranked, user_partition, why=why)
     record = replace(record, ranks=tuple(replace(r, node_id=n.node_id) for r, (n, _) in zip(record.ranks, order)))
     planning.hand_over(vllm_config, record, off="per-rank memory budgets and the planned GPU order inside each node",
                        kept="the rank order and layer split")
     logger.info("vllm-dualgpu plan on Ray: ranks %s, layers %s, bundles %s, predicted KV pool %s blocks, "
                 "max context %s tokens", describe(order), "/".join(map(str, result.partition)),
                 os.environ[BUNDLE_ENV], f"{result.num_blocks:,}", f"{result.max_context_tokens:,}")
+    logger.info("vllm-dualgpu: %s", planning.kept_free_line(record))
     _record_nodes(result, ranked, nodes, indices)
     return planning.AppliedPlan(result, ranked)
+
+
+def _reserves(sizes: list[int] | None, order) -> list:
+    """Each card's reserve in rank order (``envs.Reserve``): VLLM_DUALGPU_RESERVE's one size
+    for every card, else by the card's display state, as on one host."""
+    return envs.card_reserves(sizes, [g.display for _, g in order])
 
 
 def _record_nodes(result, ranked: list[VisibleGpu], nodes: list[NodeFacts], indices: list[int]) -> None:
@@ -152,17 +160,19 @@ def _record_nodes(result, ranked: list[VisibleGpu], nodes: list[NodeFacts], indi
                                                      "ray_bundle_indices": indices})
 
 
-def plan_across_nodes(model, nodes: list[NodeFacts], request, reserve: int, utilization: float | None):
+def plan_across_nodes(model, nodes: list[NodeFacts], request, sizes: list[int] | None,
+                      utilization: float | None):
     """(rank order, the planner's cards and request for it, the plan): every order :func:`rank_orders` offers is planned with the order
     fixed, and the fleet planner's rule picks among those that fit (``plan --fleet`` shows the
     same choice); when none fits, the one reaching the longest context explains or warns
-    (:func:`vllm_dualgpu.engine.planning.plan_or_explain`)."""
+    (:func:`vllm_dualgpu.engine.planning.plan_or_explain`). ``sizes``: VLLM_DUALGPU_RESERVE's
+    one size for every card; None: each card keeps its default by its display state."""
     from vllm_dualgpu.planner import PlanError, fit
 
     tried, errors = [], []
     for order in rank_orders(nodes):
         caps = planning._utilization_caps(utilization, [g.total_bytes for _, g in order])
-        cards = plan_cards(order, [reserve] * len(order), caps)
+        cards = plan_cards(order, [r.bytes for r in _reserves(sizes, order)], caps)
         req = replace(request, gpu_order=list(range(len(cards))))
         try:
             tried.append((order, cards, req, fit(model, cards, req)))

@@ -155,6 +155,7 @@ class DualGpuWorker(Worker):
         rank_summary.note(
             "budget",
             f"{_gib(budget)} = {_gib(snap.free_memory)} free - {_gib(reserve)} reserve"
+            + (f" ({record.reserve_reason})" if record and record.reserve_reason else "")
             + (", capped by --gpu-memory-utilization" if cap is not None else "")
             + (f" - {_gib(after)} for FlashInfer's workspaces, which vLLM allocates after sizing the KV cache"
                if after else ""),

@@ -69,7 +69,7 @@ class NodeFacts:
     def to_dict(self) -> dict:
         return {
             "node_id": self.node_id, "ip": self.ip, "hostname": self.hostname,
-            "gpus": [{**g.to_dict(), "nvlink": g.nvlink} for g in self.gpus],
+            "gpus": [{**g.to_dict(), "nvlink": g.nvlink, "display": g.display} for g in self.gpus],
             "interfaces": list(self.interfaces), "env": dict(self.env),
             "versions": dict(self.versions), "driver": self.driver, "error": self.error,
         }
@@ -80,7 +80,7 @@ class NodeFacts:
             GpuFacts(index=g["index"], name=g["name"], total_bytes=g["total_bytes"],
                      free_bytes=g["free_bytes"], bandwidth_gbps=g.get("bandwidth_gbps"),
                      capability=tuple(g["capability"]) if g.get("capability") else None,
-                     nvlink=g.get("nvlink")).with_known_defaults()
+                     nvlink=g.get("nvlink"), display=g.get("display")).with_known_defaults()
             for g in d.get("gpus", ())
         )
         return cls(node_id=d["node_id"], ip=d.get("ip", ""), hostname=d.get("hostname", ""),

@@ -34,7 +34,9 @@ class GpuFacts:
     ``free_bytes - reserve_bytes`` and charges vLLM's own CUDA context and NCCL to the rank as a
     fixed cost. ``bandwidth_gbps`` (GB/s, decimal) feeds the decode-time estimate; ``capability``
     is the compute capability, e.g. ``(12, 0)``; ``nvlink`` whether the card has an active NVLink
-    (NCCL's buffers for the pipeline are larger then; None: unknown, planned as PCIe).
+    (NCCL's buffers for the pipeline are larger then; None: unknown, planned as PCIe);
+    ``display`` whether it drives a display (None: unknown). The planner budgets with
+    ``reserve_bytes`` only; the callers choose it from ``display`` (vllm_dualgpu/envs.py).
     """
 
     index: int
@@ -47,6 +49,7 @@ class GpuFacts:
     nvlink: bool | None = None
     cap_bytes: int | None = None
     """An explicit ``--gpu-memory-utilization`` times the card's total: the budget's ceiling."""
+    display: bool | None = None
 
     @property
     def budget_bytes(self) -> int:
@@ -198,10 +201,12 @@ def parse_gpus(spec: str) -> list[GpuFacts]:
 
     The position in the list is the CUDA index. TOTAL defaults to the known card's total;
     FREE defaults to TOTAL. Keys: ``free=``, ``reserve=`` (memory to leave free, e.g. for a
-    desktop), ``bw=`` (GB/s), ``cc=`` (e.g. ``8.9``). Examples::
+    desktop), ``bw=`` (GB/s), ``cc=`` (e.g. ``8.9``), ``display=yes|no`` (whether the card
+    drives a display; unsaid: unknown). Examples::
 
         RTX 4070 Ti SUPER,RTX 5090
         RTX 4070 Ti SUPER:16GiB,RTX 5090:32GiB:30.5GiB:reserve=1GiB
+        RTX 5090:display=yes,RTX 4070 Ti SUPER:display=no
         H200:141GiB:16GiB,H200:141GiB:32GiB
     """
     out: list[GpuFacts] = []
@@ -234,19 +239,29 @@ def parse_gpus(spec: str) -> list[GpuFacts]:
         if "cc" in keyed:
             major, _, minor = keyed.pop("cc").partition(".")
             cc = (int(major), int(minor or 0))
+        display = _yes_no(keyed.pop("display"), entry) if "display" in keyed else None
         if keyed:
-            raise BadRequest(f"unknown --gpus key(s) {sorted(keyed)}; use free=, reserve=, bw=, cc=")
+            raise BadRequest(f"unknown --gpus key(s) {sorted(keyed)}; use free=, reserve=, bw=, cc=, display=")
         if free > total:
             raise BadRequest(f"--gpus entry {entry!r}: free memory is larger than total")
         out.append(
-            GpuFacts(index, known.name if known and name.lower() == known.name.lower() else name, total, free, bw, cc, reserve)
-            .with_known_defaults()
+            GpuFacts(index, known.name if known and name.lower() == known.name.lower() else name, total, free, bw, cc,
+                     reserve, display=display).with_known_defaults()
         )
     return out
 
 
+def _yes_no(value: str, entry: str) -> bool:
+    """A ``display=`` value: yes or no."""
+    answer = {"yes": True, "no": False}.get(value.strip().lower())
+    if answer is None:
+        raise BadRequest(f"--gpus entry {entry!r}: display={value!r} is not yes or no; write display=yes "
+                         "(the card drives a desktop) or display=no (it runs headless)")
+    return answer
+
+
 def reference_pair() -> list[GpuFacts]:
     """The reference box: an RTX 5090 at CUDA index 0 and an RTX 4070 Ti SUPER at index 1, both
-    empty. No reserve: `vllm-dualgpu plan` adds the executor's (VLLM_DUALGPU_RESERVE, else
-    1 GiB a card)."""
+    empty. No reserve and no display state: `vllm-dualgpu plan` adds the executor's reserve
+    (VLLM_DUALGPU_RESERVE, else 1 GiB a card, as for a card whose display NVML cannot say)."""
     return parse_gpus("RTX 5090,RTX 4070 Ti SUPER")

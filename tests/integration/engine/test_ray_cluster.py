@@ -51,7 +51,10 @@ def cluster():
         "num_cpus": 1, "include_dashboard": False, "env_vars": node_env(FAKE_NVML_DELAY="30")})
     nodes = {}
     for name, facts, fail in (("box1", FLEET[0], None), ("box2", FLEET[1], None), ("box3", None, "Driver Not Loaded")):
-        env = node_env(FAKE_NVML_GPUS=json.dumps(facts["gpus"] if facts else [{}, {}]))
+        gpus = facts["gpus"] if facts else [{}, {}]
+        if name == "box1":  # its first card drives the desktop; NVML cannot say for the others
+            gpus = [{**gpus[0], "display": True}, *gpus[1:]]
+        env = node_env(FAKE_NVML_GPUS=json.dumps(gpus))
         if fail:
             env["FAKE_NVML_FAIL"] = fail
         nodes[name] = c.add_node(num_cpus=1, num_gpus=2, resources={name: 2}, env_vars=env)
@@ -92,6 +95,7 @@ def test_each_node_reports_its_own_cards_through_the_ray_task(cluster, facts):
         assert f.error is None
         assert [(g.index, g.name, g.total_bytes, g.free_bytes) for g in f.gpus] == [
             (g["index"], g["name"], g["total_bytes"], g["free_bytes"]) for g in recorded["gpus"]]
+        assert [g.display for g in f.gpus] == ([True, None] if name == "box1" else [None, None])
         assert f.versions["vllm"] == metadata.version("vllm")
         assert f.versions["torch"] == metadata.version("torch")
         assert f.ip == ray.nodes()[0]["NodeManagerAddress"]
@@ -170,6 +174,25 @@ def test_plan_on_the_recorded_fleet(cluster, facts, config, fleet_group):
     assert config.parallel_config.worker_cls == ray_planning.planning.OUR_WORKER
     assert ray_planning.node_gpu_order(record, 0) == [i for h, i in ranks if h == ranks[0][0]]
     assert ray_planning.node_gpu_order(record, 3) == [i for h, i in ranks if h == ranks[3][0]]
+
+
+def test_headless_cards_keep_256_mib_across_nodes_as_on_one_host(cluster, facts, config, fleet_group, monkeypatch):
+    """box2's cards report no display: they keep 256 MiB; box1's desktop card and the card NVML
+    cannot say about keep 1 GiB; VLLM_DUALGPU_RESERVE's one size still wins."""
+    box1, box2 = facts[cluster.ids["box1"]], facts[cluster.ids["box2"]]
+    headless = replace(box2, gpus=tuple(replace(g, display=False) for g in box2.gpus))
+    bundles = ray_planning.bundle_nodes(fleet_group)
+    ray_planning.apply_to_bundles(config, [box1, headless], bundles)
+    got = {(r.node_id == box2.node_id, r.physical_gpu_id): (r.reserve_bytes, r.reserve_reason)
+           for r in handoff.load(config).ranks}
+    assert got == {(False, 0): (1 << 30, "display active"), (False, 1): (1 << 30, "display state unknown"),
+                   (True, 0): (256 * MIB, "no display on this card"), (True, 1): (256 * MIB, "no display on this card")}
+    from vllm_dualgpu.engine import preflight
+
+    monkeypatch.setenv(envs.RESERVE, "512MiB")
+    preflight.capture_settings(config)  # as the front end reads it
+    ray_planning.apply_to_bundles(config, [box1, headless], bundles)
+    assert {r.reserve_bytes for r in handoff.load(config).ranks} == {512 * MIB}
 
 
 def test_plan_file_records_the_nodes_for_replay(cluster, facts, config, fleet_group, tmp_path, monkeypatch):

@@ -13,7 +13,7 @@ from vllm_dualgpu.engine import handoff, preflight
 from vllm_dualgpu.engine import planning as apply
 from vllm_dualgpu.nvml import VisibleGpu
 
-GiB = 1024**3
+GiB, MiB = 1024**3, 1024**2
 SPEC = "NVIDIA H200:32GiB,RTX 4070 Ti SUPER:16GiB"  # the big card first: the plan reorders
 
 
@@ -36,19 +36,31 @@ def test_plan_for_the_cards_with_every_rank_on_the_gpu(make_config, one_h200):
     cards = [r.virtual_card for r in ranks]
     assert [c.total_bytes for c in cards] == [16 * GiB, 32 * GiB]
     assert [c.reported_capability for c in cards] == [(8, 9), (9, 0)]
-    # budgets are the cards' (free - reserve), not the H200's 139 GiB
-    assert [r.budget_bytes for r in applied.plan.ranks] == [15 * GiB, 31 * GiB]
+    # budgets are the cards' (free - reserve), not the H200's 139 GiB; the cards are headless
+    # (the spec says no display=yes), so each keeps 256 MiB free
+    assert [r.reserve_bytes for r in ranks] == [256 * MiB, 256 * MiB]
+    assert [r.budget_bytes for r in applied.plan.ranks] == [16 * GiB - 256 * MiB, 32 * GiB - 256 * MiB]
     split = applied.plan.partition
     assert split[0] < split[1]
 
 
+def test_a_card_that_says_display_yes_keeps_what_a_desktop_card_keeps(make_config, one_h200, monkeypatch):
+    monkeypatch.setenv("VLLM_DUALGPU_VIRTUAL_GPUS", "NVIDIA H200:32GiB:display=yes,RTX 4070 Ti SUPER:16GiB")
+    cfg = make_config()
+    apply.apply_plan(cfg)
+    ranks = {r.virtual_card.name: r for r in handoff.load(cfg).ranks}
+    assert ranks["NVIDIA H200"].reserve_bytes == GiB and ranks["NVIDIA H200"].virtual_card.display
+    assert ranks["NVIDIA GeForce RTX 4070 Ti SUPER"].reserve_bytes == 256 * MiB
+
+
 def test_the_same_plan_as_two_real_cards_of_those_sizes(make_config, one_h200, monkeypatch):
     """The emulation changes where the ranks run, not the plan: the split and pool equal those
-    for two real GPUs with the cards' names and free memory."""
+    for two real headless GPUs with the cards' names and free memory."""
     virtual = apply.apply_plan(make_config()).plan
     monkeypatch.delenv("VLLM_DUALGPU_VIRTUAL_GPUS")
-    real = [VisibleGpu(0, "NVIDIA H200", 32 * GiB, 32 * GiB, (9, 0), None, "GPU-a", False),
-            VisibleGpu(1, "NVIDIA GeForce RTX 4070 Ti SUPER", 16 * GiB, 16 * GiB, (8, 9), None, "GPU-b", False)]
+    real = [VisibleGpu(0, "NVIDIA H200", 32 * GiB, 32 * GiB, (9, 0), None, "GPU-a", False, display=False),
+            VisibleGpu(1, "NVIDIA GeForce RTX 4070 Ti SUPER", 16 * GiB, 16 * GiB, (8, 9), None, "GPU-b", False,
+                       display=False)]
     monkeypatch.setattr(apply, "read_visible_gpus", lambda: real)
     plan = apply.apply_plan(make_config()).plan
     assert (virtual.partition, virtual.num_blocks, virtual.max_context_tokens) == \

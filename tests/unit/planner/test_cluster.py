@@ -38,6 +38,15 @@ def test_recorded_form_round_trips(fleet):
     assert again == fleet
 
 
+def test_recorded_form_keeps_each_cards_display(fleet):
+    """The display state picks a card's default reserve on the executor's side: a replay of
+    the plan file must see it too."""
+    n = fleet[0]
+    shown_states = replace(n, gpus=(replace(n.gpus[0], display=True), replace(n.gpus[1], display=False)))
+    again = NodeFacts.from_dict(json.loads(json.dumps(shown_states.to_dict())))
+    assert [g.display for g in again.gpus] == [True, False]
+
+
 def shown(order):
     return [(n.hostname, g.index) for n, g in order]
 
