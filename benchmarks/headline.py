@@ -3,7 +3,7 @@
 on a 16 GiB + 32 GiB pair, the expert's flags against zero flags.
 
     python benchmarks/headline.py OUTDIR [--launchers fp8-mtp,...] [--arms expert,plugin,split]
-    python benchmarks/headline.py OUTDIR --virtual "RTX 4070 Ti SUPER:16GiB,RTX 5090:32GiB"   # the default
+    python benchmarks/headline.py OUTDIR --virtual "RTX 4070 Ti SUPER:16GiB,RTX 5090:32GiB:display=yes"   # the default
     python benchmarks/headline.py OUTDIR --virtual none      # two GPUs, ballast leaving 16 and 32 GiB
     python benchmarks/headline.py OUTDIR --speed --virtual none [--launchers fp8-mtp]
     python benchmarks/headline.py OUTDIR --dry-run           # the arms as JSON; nothing starts
@@ -89,7 +89,7 @@ from gpu_harness import GiB, ballast, grep, on_signals_stop_all, run_llm, start_
 from gpu_models import gdn_prefill_config, write_reference_model  # noqa: E402
 
 FREE = [16.0, 32.0]  # GiB per card, the small card first
-VIRTUAL = "RTX 4070 Ti SUPER:16GiB,RTX 5090:32GiB"  # --virtual's default: the reference pair
+VIRTUAL = "RTX 4070 Ti SUPER:16GiB,RTX 5090:32GiB:display=yes"  # --virtual's default: the reference pair (its desktop on the RTX 5090)
 DRAFTER_CONFIG = ROOT / "tests" / "fixtures" / "dflash2_drafter_standin.json"
 NUM_LAYERS = 64
 MAX_MODEL_LEN = 262_144

@@ -46,7 +46,7 @@ def test_the_arms_are_the_issues_on_the_virtual_pair(tmp_path):
     """Issue 28: per launcher the expert, the plugin, its split -2/+2 and at the expert's split,
     on the default virtual pair (one GPU, no stock arm: stock vLLM cannot put two ranks on it)."""
     spec = hl.VIRTUAL
-    assert spec == "RTX 4070 Ti SUPER:16GiB,RTX 5090:32GiB"
+    assert spec == "RTX 4070 Ti SUPER:16GiB,RTX 5090:32GiB:display=yes"  # the reference's desktop card
     assert hl.virtual_cards(spec) == [16.0, 32.0]  # the small card first
     arms = hl.arm_specs("fp8-mtp", tmp_path, total_gib=TOTAL, chosen=CHOSEN, free_gib=[16.0, 32.0], virtual=spec)
     a = by_name(arms)
