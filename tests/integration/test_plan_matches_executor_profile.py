@@ -6,13 +6,12 @@ NVML UUIDs), the same split, pool and predicted decode, and the same words about
 from __future__ import annotations
 
 import json
-import logging
 
 import pytest
+from plan_match import executor_plan, forget_the_split, sandbox
 from test_plan_matches_executor import DENSE  # the same dense model as the TP-1 test
 
 from vllm_dualgpu.cli import main
-from vllm_dualgpu.engine import planning as apply
 from vllm_dualgpu.envs import MACHINE_PROFILE
 from vllm_dualgpu.nvml import VisibleGpu
 from vllm_dualgpu.planner import parse_gpus
@@ -31,32 +30,10 @@ PROFILE = {
 }
 
 
-class Lines(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
 
 @pytest.fixture
 def model_dir(tmp_path, monkeypatch):
-    import os
-
-    from vllm_dualgpu import envs
-    from vllm_dualgpu.engine import partition
-
-    for var in ("VLLM_PP_LAYER_PARTITION", envs.RESERVE, "CUDA_VISIBLE_DEVICES", envs.PLAN_FILE,
-                "VLLM_DUALGPU_OBJECTIVE"):
-        monkeypatch.delenv(var, raising=False)
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text(json.dumps(DENSE))
-    saved = dict(os.environ)
-    yield tmp_path / "model"
-    os.environ.clear()
-    os.environ.update(saved)
-    partition._exported = None
+    yield from sandbox(tmp_path, monkeypatch, DENSE, "model")
 
 
 def plan_json(model_dir, capsys) -> dict:
@@ -69,43 +46,11 @@ def plan_json(model_dir, capsys) -> dict:
 
 
 def executor_apply(model_dir, monkeypatch):
-    import vllm.platforms
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.platforms.cpu import CpuPlatform
-
-    import vllm_dualgpu
-    from vllm_dualgpu.engine import preflight
-
-    vllm.platforms._current_platform = CpuPlatform()
-    vllm_dualgpu.register()
-    monkeypatch.setattr(preflight, "nvml_gpu_count", lambda: 2)
-    cfg = EngineArgs(model=str(model_dir), load_format="dummy", skip_tokenizer_init=True,
-                     pipeline_parallel_size=2, distributed_executor_backend="dualgpu", **SERVE).create_engine_config()
-    cfg.parallel_config.worker_cls = apply.STOCK_WORKER
     # NVML reports the cards the --gpus line describes, with NVML's names and UUIDs
     seen = [VisibleGpu(g.index, NVML_NAMES[g.index], g.total_bytes, g.free_bytes, g.capability, g.bandwidth_gbps,
                        f"GPU-{g.index}") for g in parse_gpus(GPUS)]
-    monkeypatch.setattr(apply, "read_visible_gpus", lambda: seen)
-    log = logging.getLogger("vllm.dualgpu")
-    handler, level = Lines(), log.level
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    try:
-        return apply.apply_plan(cfg).plan, handler.messages
-    finally:
-        log.removeHandler(handler)
-        log.setLevel(level)
-
-
-def forget_the_split():
-    """The executor exports its split as VLLM_PP_LAYER_PARTITION, which the next plan would take
-    as the user's."""
-    import os
-
-    from vllm_dualgpu.engine import partition
-
-    os.environ.pop("VLLM_PP_LAYER_PARTITION", None)
-    partition._exported = None
+    _, applied, messages = executor_plan(model_dir, monkeypatch, SERVE, seen)
+    return applied.plan, messages
 
 
 def test_plan_and_executor_agree_with_a_profile(model_dir, capsys, monkeypatch):

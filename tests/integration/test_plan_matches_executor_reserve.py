@@ -6,15 +6,14 @@ without one, ``VLLM_DUALGPU_RESERVE`` over both; the same reserves give the same
 from __future__ import annotations
 
 import json
-import logging
 
 import pytest
+from plan_match import executor_plan, forget_the_split, sandbox
 from test_plan_matches_executor import DENSE  # the same dense model as the TP-1 test
 
 from vllm_dualgpu import envs
 from vllm_dualgpu.cli import main
 from vllm_dualgpu.engine import handoff
-from vllm_dualgpu.engine import planning as apply
 from vllm_dualgpu.nvml import VisibleGpu
 
 GiB, MiB = 1024**3, 1024**2
@@ -30,40 +29,12 @@ def nvml_cards(display_5090, display_4070):
                        display=display_4070)]
 
 
-class Lines(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
 
 @pytest.fixture
 def model_dir(tmp_path, monkeypatch):
-    import os
-
-    from vllm_dualgpu.engine import partition
-
-    for var in ("VLLM_PP_LAYER_PARTITION", envs.RESERVE, "CUDA_VISIBLE_DEVICES", envs.PLAN_FILE,
-                "VLLM_DUALGPU_OBJECTIVE", "VLLM_DUALGPU_VIRTUAL_GPUS"):
-        monkeypatch.delenv(var, raising=False)
-    (tmp_path / "config.json").write_text(json.dumps(DENSE))
-    saved = dict(os.environ)
-    yield tmp_path
-    os.environ.clear()
-    os.environ.update(saved)
-    partition._exported = None
+    yield from sandbox(tmp_path, monkeypatch, DENSE)
 
 
-def forget_the_split():
-    """The executor exports its split, which the next plan would take as the user's."""
-    import os
-
-    from vllm_dualgpu.engine import partition
-
-    os.environ.pop("VLLM_PP_LAYER_PARTITION", None)
-    partition._exported = None
 
 
 def plan_json(model_dir, capsys, gpus: str) -> dict:
@@ -81,30 +52,7 @@ def plan_reserves(printed: dict) -> dict[int, int]:
 
 
 def executor_apply(model_dir, monkeypatch, seen):
-    import vllm.platforms
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.platforms.cpu import CpuPlatform
-
-    import vllm_dualgpu
-    from vllm_dualgpu.engine import preflight
-
-    vllm.platforms._current_platform = CpuPlatform()
-    vllm_dualgpu.register()
-    monkeypatch.setattr(preflight, "nvml_gpu_count", lambda: 2)
-    cfg = EngineArgs(model=str(model_dir), load_format="dummy", skip_tokenizer_init=True,
-                     pipeline_parallel_size=2, distributed_executor_backend="dualgpu", **SERVE).create_engine_config()
-    cfg.parallel_config.worker_cls = apply.STOCK_WORKER
-    monkeypatch.setattr(apply, "read_visible_gpus", lambda: seen)
-    log = logging.getLogger("vllm.dualgpu")
-    handler, level = Lines(), log.level
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    try:
-        applied = apply.apply_plan(cfg)
-    finally:
-        log.removeHandler(handler)
-        log.setLevel(level)
-    return cfg, applied, handler.messages
+    return executor_plan(model_dir, monkeypatch, SERVE, seen)
 
 
 def executor_reserves(cfg) -> dict[int, int]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from plan_match import sandbox
 from test_plan_matches_executor import DENSE  # the same dense model as the TP-1 test
 
 from vllm_dualgpu.cli import main
@@ -30,19 +31,7 @@ EAGLE3_DRAFT = {
 
 @pytest.fixture
 def model_dir(tmp_path, monkeypatch):
-    import os
-
-    from vllm_dualgpu import envs
-    from vllm_dualgpu.engine import partition
-
-    for var in ("VLLM_PP_LAYER_PARTITION", envs.RESERVE, "CUDA_VISIBLE_DEVICES", envs.PLAN_FILE):
-        monkeypatch.delenv(var, raising=False)
-    (tmp_path / "config.json").write_text(json.dumps(DENSE))
-    saved = dict(os.environ)
-    yield tmp_path
-    os.environ.clear()
-    os.environ.update(saved)
-    partition._exported = None
+    yield from sandbox(tmp_path, monkeypatch, DENSE)
 
 
 def plan_json(model_dir, capsys, serve=SERVE) -> dict:
