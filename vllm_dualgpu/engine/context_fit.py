@@ -49,6 +49,35 @@ def _per_rank(vllm_config, kv_cache_specs, available: list[int]) -> list[tuple[i
     return out
 
 
+def cap_to_plan(vllm_config, available: list[int], applied) -> list[int]:
+    """Each rank's KV bytes: vLLM's, at most the plan's KV budget for that rank.
+
+    vLLM sizes the pool from its profile, which runs no attention (skip_attn in vLLM 0.33's
+    profile_run) and comes before FlashInfer's workspaces exist, so it can leave a rank more room
+    than the rank needs at its peak; the plan's budget is the one its peak prediction (calibrated
+    on the virtual pair) was made for, and what ``vllm-dualgpu plan`` printed. Where vLLM's
+    profile leaves less, vLLM's stands. A pool the user set (``--num-gpu-blocks-override``,
+    ``--kv-cache-memory-bytes``) is left alone. Worker ``r`` is pipeline stage ``r // tp``."""
+    from vllm_dualgpu.log import logger
+
+    cc = vllm_config.cache_config
+    plan = getattr(applied, "plan", None)
+    if plan is None or cc.num_gpu_blocks_override is not None or getattr(cc, "kv_cache_memory_bytes", None):
+        return list(available)
+    tp = max(1, getattr(applied, "tp_size", 1))
+    out = []
+    for rank, have in enumerate(available):
+        stage = rank // tp
+        planned = plan.ranks[stage].kv_budget_bytes if stage < len(plan.ranks) else None
+        if planned is not None and 0 < planned < have:
+            logger.info("vllm-dualgpu rank %d: vLLM's profile leaves %.2f GiB for the KV cache, the plan "
+                        "%.2f GiB: the pool is sized from the plan's (vLLM's profile runs no attention and "
+                        "comes before FlashInfer's workspaces)", rank, have / GiB, planned / GiB)
+            have = planned
+        out.append(have)
+    return out
+
+
 def check_context_fits(vllm_config, kv_cache_specs, available: list[int], applied=None) -> None:
     mc, cc = vllm_config.model_config, vllm_config.cache_config
     if mc.original_max_model_len == -1 or cc.num_gpu_blocks_override is not None:

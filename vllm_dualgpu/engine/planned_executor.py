@@ -55,7 +55,8 @@ class PlannedExecutor:
     def determine_available_memory(self) -> list[int]:
         available = super().determine_available_memory()
         if self.dualgpu is not None:
-            from vllm_dualgpu.engine.context_fit import check_context_fits
+            from vllm_dualgpu.engine.context_fit import cap_to_plan, check_context_fits
 
+            available = cap_to_plan(self.vllm_config, available, self.dualgpu)
             check_context_fits(self.vllm_config, self.get_kv_cache_specs(), available, self.dualgpu)
         return available

@@ -87,3 +87,59 @@ def test_agrees_with_vllms_own_check(vllm_config):
         assert min(c.num_blocks for c in configs) == 100
     finally:
         vllm_config.model_config.max_model_len = 4096
+
+
+def _applied(kv_budgets: list[int], tp: int = 1):
+    from types import SimpleNamespace
+
+    from vllm_dualgpu.engine.planning import AppliedPlan
+
+    plan = SimpleNamespace(ranks=[SimpleNamespace(kv_budget_bytes=b) for b in kv_budgets])
+    return AppliedPlan(plan=plan, gpus=[], tp_size=tp)
+
+
+def test_the_pool_is_sized_from_the_plans_budget_where_vllms_profile_leaves_more(vllm_config, monkeypatch):
+    """vLLM's profile runs no attention and comes before FlashInfer's workspaces: where it leaves a
+    rank more KV room than the plan (whose peak prediction was checked on the virtual pair), the
+    plan's budget is what the rank gets; where it leaves less, vLLM's stands."""
+    from vllm_dualgpu.engine.context_fit import cap_to_plan
+
+    G = 1024**3
+    assert cap_to_plan(vllm_config, [5 * G, 2 * G], _applied([4 * G, 3 * G])) == [4 * G, 2 * G]
+    # a TP group per stage: workers 0-1 are stage 0, 2-3 stage 1
+    assert cap_to_plan(vllm_config, [5 * G, 5 * G, 5 * G, 1 * G], _applied([4 * G, 3 * G], tp=2)) \
+        == [4 * G, 4 * G, 3 * G, 1 * G]
+    # the user's pool is left alone
+    monkeypatch.setattr(vllm_config.cache_config, "num_gpu_blocks_override", 100)
+    assert cap_to_plan(vllm_config, [5 * G, 2 * G], _applied([4 * G, 3 * G])) == [5 * G, 2 * G]
+    monkeypatch.setattr(vllm_config.cache_config, "num_gpu_blocks_override", None)
+    monkeypatch.setattr(vllm_config.cache_config, "kv_cache_memory_bytes", 5 * G)
+    assert cap_to_plan(vllm_config, [5 * G, 5 * G], _applied([4 * G, 3 * G])) == [5 * G, 5 * G]
+    monkeypatch.setattr(vllm_config.cache_config, "kv_cache_memory_bytes", None)
+    assert cap_to_plan(vllm_config, [5 * G], None) == [5 * G]  # a stock run
+
+
+def test_the_executor_caps_before_it_checks_the_context(monkeypatch):
+    """PlannedExecutor.determine_available_memory: vLLM's figures, capped, then the context check
+    on the capped figures (what vLLM then sizes the pool from)."""
+    from types import SimpleNamespace
+
+    from vllm_dualgpu.engine import context_fit
+    from vllm_dualgpu.engine.planned_executor import PlannedExecutor
+
+    G = 1024**3
+
+    class Base:
+        def determine_available_memory(self):
+            return [5 * G, 2 * G]
+
+    class Executor(PlannedExecutor, Base):
+        pass
+
+    checked = []
+    monkeypatch.setattr(context_fit, "check_context_fits", lambda cfg, specs, available, applied: checked.append(available))
+    ex = Executor()
+    ex.vllm_config = SimpleNamespace(cache_config=SimpleNamespace(num_gpu_blocks_override=None, kv_cache_memory_bytes=None))
+    ex.get_kv_cache_specs = lambda: []
+    ex.dualgpu = _applied([4 * G, 3 * G])
+    assert ex.determine_available_memory() == [4 * G, 2 * G] and checked == [[4 * G, 2 * G]]
