@@ -113,3 +113,16 @@ def test_the_budget_a_worker_hands_vllm_leaves_out_what_vllm_allocates_after_siz
     assert rank_budget(16 * GIB, GIB) == 15 * GIB
     assert rank_budget(16 * GIB, GIB, after_profile_bytes=FLASHINFER_WS) == 15 * GIB - FLASHINFER_WS
     assert rank_budget(16 * GIB, GIB, cap_bytes=10 * GIB, after_profile_bytes=FLASHINFER_WS) == 10 * GIB - FLASHINFER_WS
+
+
+@pytest.mark.parametrize("caps", [[(8, 9), (9, 0)], [(8, 9), (12, 0)], [(9, 0), (12, 0)], [(9, 0), (9, 0)],
+                                  [(8, 9), (8, 9)]])
+@pytest.mark.parametrize("kv", ["fp8", "auto"])
+def test_where_the_executor_sets_flashinfer_the_plan_charges_its_workspace(caps, kv):
+    """The planner's rule and the executor's (engine/attention_backend.py) are two answers to one
+    fact: wherever the executor puts FlashInfer on every rank, the plan charges its workspace."""
+    from vllm_dualgpu.engine.attention_backend import COMMON_BACKEND, decide_common_backend
+
+    backend, _ = decide_common_backend(caps, kv, None, specs_carry_alignment=True)
+    if backend == COMMON_BACKEND:
+        assert attention_uses_flashinfer(kv, caps)
