@@ -195,12 +195,21 @@ def reference_dirs(tmp_path_factory):
     return d / "target", d / "drafter"
 
 
-@pytest.mark.parametrize("drafter", ["dflash", "mtp"])
-def test_reference_launcher_same_split_under_the_default_objective(engine_config, reference_dirs, drafter):
+# The search prices every split with one KV grouping (docs/planner.md, "Not covered yet"): with the
+# DFlash drafter a split priced with its own grouping holds 262,144 tokens at 30.5 ms where the
+# search's choice is predicted 30.9 ms (seen since the calibration on the virtual pair).
+_ONE_GROUPING = pytest.mark.xfail(strict=True, raises=AssertionError,
+                                  reason="the search prices every split with the grouping it settled on")
+
+
+@pytest.mark.parametrize("drafter,grouping", [("dflash", "searched"), pytest.param("dflash", "own", marks=_ONE_GROUPING),
+                                              ("mtp", "searched"), ("mtp", "own")])
+def test_reference_launcher_same_split_under_the_default_objective(engine_config, reference_dirs, drafter, grouping):
     """The bundled reference on the reference pair with the launchers' flags and zero flags of
     the plugin's: `plan` and the executor ask with the default objective and choose the same
     split, pool and pool-objective alternative; the split is the fastest predicted among those
-    that hold 262,144 tokens."""
+    that hold 262,144 tokens, each split priced with the KV grouping the search settled on
+    ("searched") or with its own ("own")."""
     import vllm.platforms
     from vllm.platforms.cpu import CpuPlatform
 
@@ -217,10 +226,9 @@ def test_reference_launcher_same_split_under_the_default_objective(engine_config
     result = assert_same(cli, ex)
     assert result.objective == "speed" and result.max_model_len == 262144
     assert result.drafter is not None and result.drafter.num_speculative_tokens == spec["num_speculative_tokens"]
-    # the rule, checked against every split forced on the same question, each priced with the
-    # KV grouping the search settled on (the search prices every split with one grouping: a split
-    # whose own grouping would hold the context a little faster can be missed, docs/planner.md)
+    # the rule, checked against every split forced on the same question
     model, request = ex
+    layout = result.kv if grouping == "searched" else None
     gpus = parse_gpus(GPUS)
     # (the request's blocks, with the null block; the rule keeps 3% of them to spare where a split can)
     assert result.held_requests == 1
@@ -229,7 +237,7 @@ def test_reference_launcher_same_split_under_the_default_objective(engine_config
     for n in range(1, model.num_layers):
         try:
             f = fit(model, gpus, dataclasses.replace(request, layer_partition=[n, model.num_layers - n],
-                                                     gpu_order=result.order), kv_layout=result.kv)
+                                                     gpu_order=result.order), kv_layout=layout)
         except PlanError:  # not even one token fits on this split
             continue
         if f.fits:
