@@ -215,10 +215,13 @@ def expert_kwargs(launcher: str, base: dict) -> dict:
 
 def arm_specs(launcher: str, model: Path, *, total_gib: float, drafter: Path | None = None,
               chosen: list[int] | None = None, free_gib: list[float] = FREE,
-              virtual: str | None = None) -> list[Arm]:
+              virtual: str | None = None, context: int = MAX_MODEL_LEN) -> list[Arm]:
     """Every arm of one launcher, in run order. ``chosen``: the plugin's split (arm 2's plan);
-    without it the split arms are left out. ``virtual``: the --virtual spec (None: two GPUs)."""
+    without it the split arms are left out. ``virtual``: the --virtual spec (None: two GPUs).
+    ``context``: the plugin's and split arms' --max-model-len (``--context``); other than 262,144
+    their names say it ("plugin@229376"). The expert keeps its own 262,144."""
     base = common_kwargs(model, launcher, drafter)
+    at = "" if context == MAX_MODEL_LEN else f"@{context}"
     order = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
     stock = {**base, "distributed_executor_backend": "mp"}
     arms = []
@@ -228,15 +231,15 @@ def arm_specs(launcher: str, model: Path, *, total_gib: float, drafter: Path | N
                      dict(order)) for u in utilizations(free_gib, total_gib)]
     arms.append(Arm(f"{launcher}/expert", "expert", launcher, expert_kwargs(launcher, base),
                     expert_env(launcher, virtual)))
-    plugin = {**base, "distributed_executor_backend": "dualgpu"}
-    arms.append(Arm(f"{launcher}/plugin", "plugin", launcher, dict(plugin), pair_env(virtual)))
+    plugin = {**base, "distributed_executor_backend": "dualgpu", "max_model_len": context}
+    arms.append(Arm(f"{launcher}/plugin{at}", "plugin", launcher, dict(plugin), pair_env(virtual)))
     expert_split = EXPERT[launcher]["partition"]
     if chosen:
         named = {chosen[0] + d: f"split{d:+d}" for d in SPLIT_STEPS}
         named.setdefault(expert_split[0], "split-at-expert")
         for first, label in named.items():  # the expert's split: the plugin's per-step cost on it
             if 0 < first < NUM_LAYERS and first != chosen[0]:
-                arms.append(Arm(f"{launcher}/{label}", "split", launcher, dict(plugin),
+                arms.append(Arm(f"{launcher}/{label}{at}", "split", launcher, dict(plugin),
                                 {**pair_env(virtual), "VLLM_PP_LAYER_PARTITION": f"{first},{NUM_LAYERS - first}"}))
     return arms
 
@@ -361,7 +364,8 @@ def measure(llm, deadline: float, parts: tuple[str, ...] = MEASURES, progress: s
     res["greedy_token_ids"] = greedy["tokens"]
     save_progress(res, progress)
     steps = {"short": lambda: decode_at(llm, prompt(SHORT, 2)), "mid": lambda: decode_at(llm, prompt(MID, 3)),
-             "second_turn": lambda: second_turn(llm), "long": lambda: decode_at(llm, prompt(LONG, 5)),
+             "second_turn": lambda: second_turn(llm),
+             "long": lambda: decode_at(llm, prompt(long_prompt(cfg.model_config.max_model_len), 5)),
              "image": lambda: image_turn(llm)}
     for name in parts:
         fn = steps[name]
@@ -374,6 +378,12 @@ def measure(llm, deadline: float, parts: tuple[str, ...] = MEASURES, progress: s
             res[name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
         save_progress(res, progress)
     return res
+
+
+def long_prompt(max_model_len: int) -> int:
+    """The long prompt's length: ~250K, or as much less as the arm's --max-model-len is below
+    262,144 (the same room is left for the draft and decode tokens)."""
+    return min(LONG, max_model_len - (MAX_MODEL_LEN - LONG))
 
 
 def second_turn(llm) -> dict:
@@ -536,7 +546,8 @@ def run_arm(arm: Arm, out: Path, job, timeout: float, cards_mib: list[int] | Non
     r["rank_lines"] = grep(log, r"vllm-dualgpu rank \d")
     r["refusals"] = [shorten(line) for line in grep(
         log, r"OutOfMemoryError|ValueError|does not fit|less than desired|maximum model length")][:4]
-    r["largest_context"] = MAX_MODEL_LEN if r["booted"] and r["kv_tokens"] >= MAX_MODEL_LEN else largest_context(r["refusals"])
+    asked = arm.kwargs.get("max_model_len", MAX_MODEL_LEN)
+    r["largest_context"] = asked if r["booted"] and r["kv_tokens"] >= asked else largest_context(r["refusals"])
     if plan_file.exists():
         r["plan"] = json.loads(plan_file.read_text())
         r["partition"] = r["plan"].get("partition")
@@ -627,36 +638,40 @@ def gpu_total_gib(count: int = 2) -> float:
                for i in range(count)) / GiB
 
 
-def plugin_split(out: Path, launcher: str) -> list[int] | None:
+def plugin_split(out: Path, launcher: str, context: int = MAX_MODEL_LEN) -> list[int] | None:
     """Arm 2's split, from its result file (this run's or an earlier call's)."""
-    f = out / "arms" / f"{launcher}_plugin.json"
+    at = "" if context == MAX_MODEL_LEN else f"@{context}"
+    f = out / "arms" / f"{launcher}_plugin{at}.json"
     return json.loads(f.read_text()).get("partition") if f.exists() else None
 
 
 def run_launcher(launcher: str, out: Path, kinds: set[str], total: float, virtual: str | None,
-                 limits: dict[str, int] = ARM_LIMIT_S, *, models: Path) -> None:
+                 limits: dict[str, int] = ARM_LIMIT_S, *, models: Path, context: int = MAX_MODEL_LEN,
+                 parts: tuple[str, ...] = MEASURES) -> None:
     """The arms of ``kinds`` for one launcher, in order; stock stops at the first boot. The model
-    folders under ``models`` (``--models``)."""
+    folders under ``models`` (``--models``); ``parts``: what the expert and plugin arms measure
+    (``--measures``; the split arms measure SPLIT_MEASURES of them)."""
     model = reference_model(models, QUANT[launcher])
     drafter = drafter_model(models)
     cards = virtual_cards(virtual) or FREE
     cards_mib = [round(c * 1024) for c in cards]
     stock_booted = False
     specs = functools.partial(arm_specs, launcher, model, total_gib=total, drafter=drafter, free_gib=cards,
-                              virtual=virtual)
+                              virtual=virtual, context=context)
     for arm in specs():
         if arm.kind not in kinds or (arm.kind == "stock" and stock_booted):
             continue
         limit = limits[arm.kind]
-        job = boot_only if arm.kind == "stock" else functools.partial(measure, deadline=time.time() + limit - 60)
+        job = boot_only if arm.kind == "stock" else functools.partial(measure, deadline=time.time() + limit - 60,
+                                                                             parts=parts)
         booted = run_arm(arm, out, job, limit, cards_mib)["booted"]
         stock_booted |= arm.kind == "stock" and booted
         save_all(out)
-    chosen = plugin_split(out, launcher)
+    chosen = plugin_split(out, launcher, context)
     if "split" in kinds and chosen:
         for arm in specs(chosen=chosen):
             if arm.kind == "split":
-                job = functools.partial(measure, deadline=time.time() + limits["split"] - 60, parts=SPLIT_MEASURES)
+                job = functools.partial(measure, deadline=time.time() + limits["split"] - 60, parts=tuple(p for p in SPLIT_MEASURES if p in parts))
                 run_arm(arm, out, job, limits["split"], cards_mib)
                 save_all(out)
 
@@ -805,7 +820,7 @@ def speed_verdict(res: dict) -> dict:
     return v
 
 
-def virtual_split(launcher: str, model: Path, drafter: Path, virtual: str) -> list[int]:
+def virtual_split(launcher: str, model: Path, drafter: Path, virtual: str, context: int = MAX_MODEL_LEN) -> list[int]:
     """The pure planner's split for the plugin's arm on the virtual cards (what `vllm-dualgpu
     plan` says for the same command): the split arms' starting point in --dry-run."""
     from vllm_dualgpu.patching.runtime import runtime_assumptions
@@ -814,7 +829,7 @@ def virtual_split(launcher: str, model: Path, drafter: Path, virtual: str) -> li
     spec = speculative(launcher, drafter)
     if spec["method"] == "dflash":
         spec["draft_config"] = json.loads((drafter / "config.json").read_text())
-    req = PlanRequest(max_model_len=MAX_MODEL_LEN, kv_cache_dtype="fp8", max_num_seqs=2, max_num_batched_tokens=1024,
+    req = PlanRequest(max_model_len=context, kv_cache_dtype="fp8", max_num_seqs=2, max_num_batched_tokens=1024,
                       speculative=spec, **runtime_assumptions().request_fields())
     return list(fit(ModelSpec.from_hf_config(json.loads((model / "config.json").read_text())),
                     parse_gpus(virtual), req).plan.partition)
@@ -833,6 +848,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--limit", type=int, metavar="S",
                     help="every arm's wall-clock limit in seconds (default: " +
                          ", ".join(f"{k} {v}" for k, v in ARM_LIMIT_S.items()) + ")")
+    ap.add_argument("--context", type=int, default=MAX_MODEL_LEN, metavar="TOKENS",
+                    help="the plugin's and split arms' --max-model-len (default %(default)s; the expert keeps "
+                         "its own); for a launcher the plan says does not hold 262,144: its largest length")
+    ap.add_argument("--measures", default=",".join(MEASURES), metavar="LIST",
+                    help="what a booted arm measures, in this order: " + ", ".join(MEASURES) + " (default all)")
     ap.add_argument("--dry-run", action="store_true", help="print every arm's arguments and environment")
     ap.add_argument("--models", type=Path, default=default_models_dir(), metavar="DIR",
                     help="the model folders' root, one folder per content, kept between runs (vLLM's "
@@ -861,11 +881,11 @@ def main() -> int:
         arms = []
         for name in launchers:
             model = reference_model(models, QUANT[name], tokenizer=False)
-            chosen = plugin_split(out, name) or (
-                virtual_split(name, model, drafter, virtual) if virtual
+            chosen = plugin_split(out, name, args.context) or (
+                virtual_split(name, model, drafter, virtual, args.context) if virtual
                 else planned_split(model, FREE, total, [None, None], "pool")["partition"])
             arms += arm_specs(name, model, total_gib=total, drafter=drafter, chosen=chosen, free_gib=cards,
-                              virtual=virtual)
+                              virtual=virtual, context=args.context)
         print(json.dumps([dataclasses.asdict(a) for a in arms], indent=1))
         return 0
     on_signals_stop_all()
@@ -876,15 +896,18 @@ def main() -> int:
         speed_main(out / "speed", launchers[0], gpu_total_gib(), range(lo, hi + 1, 2), models)
         return 0
     limits = {k: args.limit for k in ARM_LIMIT_S} if args.limit else ARM_LIMIT_S
+    parts = tuple(x for x in args.measures.split(",") if x)
+    if set(parts) - set(MEASURES):
+        ap.error(f"unknown measure(s) {sorted(set(parts) - set(MEASURES))}; use {', '.join(MEASURES)}")
     if virtual:  # one GPU; its total decides the expert's utilization (vLLM's free-memory check)
         total = gpu_total_gib(1)
         for name in launchers:
-            run_launcher(name, out, kinds, total, virtual, limits, models=models)
+            run_launcher(name, out, kinds, total, virtual, limits, models=models, context=args.context, parts=parts)
     else:
         total = gpu_total_gib()
         with ballast(FREE, out / "logs"):
             for name in launchers:
-                run_launcher(name, out, kinds, total, None, limits, models=models)
+                run_launcher(name, out, kinds, total, None, limits, models=models, context=args.context, parts=parts)
     print(table(save_all(out)))
     return 0
 

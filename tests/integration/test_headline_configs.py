@@ -98,6 +98,22 @@ def test_the_dflash2_launchers_take_the_experts_flags(tmp_path):
                                                   "disable_eagle_block_drop": True, "attention_backend": "TRITON_ATTN"}
 
 
+def test_context_moves_the_plugin_and_split_arms_only(tmp_path):
+    """--context: a launcher the plan says does not hold 262,144 runs its plugin and split arms at
+    the length asked, named so they sit beside a 262,144 refusal; the expert keeps 262,144, and
+    the long prompt leaves the same room below the shorter limit."""
+    drafter = tmp_path / "drafter"
+    a = by_name(hl.arm_specs("w8a16-dflash2", tmp_path, total_gib=TOTAL, drafter=drafter, chosen=[20, 44],
+                             virtual=hl.VIRTUAL, context=229_376))
+    assert list(a) == ["expert", "plugin@229376", "split-2@229376", "split+2@229376", "split-at-expert@229376"]
+    assert a["expert"].kwargs["max_model_len"] == 262_144
+    for name in ("plugin@229376", "split-2@229376", "split-at-expert@229376"):
+        assert a[name].kwargs["max_model_len"] == 229_376
+    assert a["split-at-expert@229376"].env["VLLM_PP_LAYER_PARTITION"] == "19,45"
+    assert a["plugin@229376"].file == "w8a16-dflash2_plugin@229376"
+    assert hl.long_prompt(262_144) == 250_000 and hl.long_prompt(229_376) == 217_232
+
+
 def test_two_gpus_keep_ballast_order_and_the_stock_arms(tmp_path):
     a = by_name(hl.arm_specs("fp8-mtp", tmp_path, total_gib=TOTAL, chosen=CHOSEN))
     assert list(a)[:5] == ["stock-default", "stock-u0.11", "stock-u0.10", "stock-u0.09", "expert"]
