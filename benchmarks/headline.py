@@ -66,17 +66,12 @@ split measuring decode ms/step; see ``speed_main``. ``arm_specs`` is what the CP
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
-import hashlib
 import json
 import math
-import os
 import re
-import shutil
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -87,6 +82,7 @@ sys.path.insert(0, str(ROOT / "tests" / "gpu"))
 sys.path.insert(0, str(HERE))
 from gpu_harness import GiB, ballast, grep, on_signals_stop_all, run_llm, start_group, stop_group, tail  # noqa: E402
 from gpu_models import gdn_prefill_config, write_reference_model  # noqa: E402
+from model_folders import add_models_option, kept_folder  # noqa: E402
 
 FREE = [16.0, 32.0]  # GiB per card, the small card first
 VIRTUAL = "RTX 4070 Ti SUPER:16GiB,RTX 5090:32GiB:display=yes"  # --virtual's default: the reference pair (its desktop on the RTX 5090)
@@ -242,34 +238,6 @@ def arm_specs(launcher: str, model: Path, *, total_gib: float, drafter: Path | N
                 arms.append(Arm(f"{launcher}/{label}{at}", "split", launcher, dict(plugin),
                                 {**pair_env(virtual), "VLLM_PP_LAYER_PARTITION": f"{first},{NUM_LAYERS - first}"}))
     return arms
-
-
-def default_models_dir() -> Path:
-    """--models' default: one folder of the user's cache for every OUTDIR. vLLM 0.33 hashes the
-    model's path into its compile-cache key (ModelConfig.compute_hash), the drafter's too, so
-    folders under each OUTDIR made a run into a new OUTDIR compile its graphs again."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vllm-dualgpu" / "headline-models"
-
-
-def kept_folder(root: Path, name: str, write) -> Path:
-    """``write(folder)`` fills a new folder, kept as ``root/<name>-<digest of its files>``: the
-    same content always has the same path, and a folder once in place is never rewritten (the
-    rename is atomic; a run that finds it there drops its own copy)."""
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
-    try:
-        write(tmp)
-        h = hashlib.sha256()
-        for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
-            h.update(f"{f.relative_to(tmp).as_posix()}\0{f.stat().st_size}\0".encode())
-            h.update(f.read_bytes())
-        final = root / f"{name}-{h.hexdigest()[:12]}"
-        if not final.exists():
-            with contextlib.suppress(OSError):  # another run put the same content there first
-                tmp.rename(final)
-        return final
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def reference_model(root: Path, quant: str, tokenizer: bool = True) -> Path:
@@ -854,9 +822,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--measures", default=",".join(MEASURES), metavar="LIST",
                     help="what a booted arm measures, in this order: " + ", ".join(MEASURES) + " (default all)")
     ap.add_argument("--dry-run", action="store_true", help="print every arm's arguments and environment")
-    ap.add_argument("--models", type=Path, default=default_models_dir(), metavar="DIR",
-                    help="the model folders' root, one folder per content, kept between runs (vLLM's "
-                         "compile cache is keyed by the model path); default %(default)s")
+    add_models_option(ap)
     return ap
 
 

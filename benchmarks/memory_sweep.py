@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Issue #3 measurement: stock vLLM vs vllm-dualgpu on an emulated 32 GiB + 16 GiB pair.
 
-    python benchmarks/memory_sweep.py OUTDIR [--full-sweep] [--skip stock,sweep,full-context]
+    python benchmarks/memory_sweep.py OUTDIR [--full-sweep] [--skip stock,sweep,full-context] [--models DIR]
 
 GPU 0 keeps 32 GiB free and GPU 1 16 GiB (ballast processes hold the rest), so the big card comes
 first in PCI order and the plugin has to reorder. Model: Qwen3-14B-class shapes with block-FP8
@@ -11,6 +11,8 @@ splits around its own (+-1, +-2 and the even split; --full-sweep adds +-4 and +-
 with the model's full 262,144 context (expected to refuse with the largest that fits), each one
 ``vllm.LLM`` in a fresh process. Writes OUTDIR/memory_sweep.json, .md (the table) and .png (KV
 pool per run, predicted vs sized). The claim (prediction within 5%) is test_gpu_memory_prediction.
+The model folder lives under ``--models`` (model_folders.py: one folder per content, kept between
+runs), not under OUTDIR: vLLM's compile cache is keyed by the model's path.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gpu"))
 from gpu_harness import GiB, ballast, grep, on_signals_stop_all, run_llm  # noqa: E402
 from gpu_models import write_model  # noqa: E402
+from model_folders import add_models_option, kept_folder  # noqa: E402
 
 FREE = [32.0, 16.0]
 # Every run takes vLLM's Triton block-FP8 GEMM (the kernel the reference small card uses), so each
@@ -149,17 +152,23 @@ def save(results: list[dict], out: Path) -> None:
     (out / "memory_sweep.md").write_text(table(results))
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("outdir", type=Path)
     ap.add_argument("--full-sweep", action="store_true")
     ap.add_argument("--skip", default="", help="comma-separated: stock, sweep, full-context")
-    args = ap.parse_args()
+    add_models_option(ap)
+    return ap
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     skip = set(filter(None, args.skip.split(",")))
     out = args.outdir.resolve()
     out.mkdir(parents=True, exist_ok=True)
     on_signals_stop_all()
-    model = write_model("qwen3-14b-fp8", out / "models" / "qwen3-14b-fp8")
+    preset = "qwen3-14b-fp8"  # config and tokenizer (dummy weights); vLLM hashes the folder's path as given
+    model = kept_folder(args.models.expanduser().resolve(), preset, lambda d: write_model(preset, d))
     base = {"model": str(model), "load_format": "dummy", "enforce_eager": True, "max_model_len": 32768,
             "pipeline_parallel_size": 2}
     plugin = {**base, "distributed_executor_backend": "dualgpu"}

@@ -2,17 +2,19 @@
 """Issue #7 soak: the OpenAI server with PP=2 through the plugin, MTP on, under steady load.
 
     python benchmarks/soak.py OUTDIR [--minutes 10] [--concurrency 8] [--preset small-hybrid]
-                                      [--request-timeout 120] [--sample-s 30] [--no-mtp]
+                                      [--request-timeout 120] [--sample-s 30] [--no-mtp] [--models DIR]
 
 On the GPU machine after staging: ``bash scripts/gpu/run.sh OUTDIR soak`` (a boot of up to
 10 min on a fresh machine + 10 min load + drain: longer than one 10-minute command, so start it
 with ``setsid nohup ... &`` and poll for ``OUTDIR/soak/soak.json``). Needs the GPUs free.
 
 What it does: writes the model (``gpu_models.write_model(PRESET, weights="random")``, default
-``small-hybrid`` with MTP), makes the pair (two GPUs: ballast leaving GPU 0 32 GiB free and GPU 1
-16 GiB; one GPU: the virtual pair of those sizes, ``gpu_harness.pair``) and starts ``vllm
-serve`` with PP=2 through the plugin (MTP with 2 tokens when the model has MTP weights; eager,
-max_model_len 4096, 127.0.0.1 only). CONCURRENCY client threads send /v1/completions for MINUTES:
+``small-hybrid`` with MTP) under ``--models``, one folder per content kept between runs
+(model_folders.py), not under OUTDIR: vLLM's compile cache is keyed by the model's path. Then
+it makes the pair (two GPUs: ballast leaving GPU 0 32 GiB free and GPU 1 16 GiB; one GPU: the
+virtual pair of those sizes, ``gpu_harness.pair``) and starts ``vllm serve`` with PP=2 through
+the plugin (MTP with 2 tokens when the model has MTP weights; eager, max_model_len 4096,
+127.0.0.1 only). CONCURRENCY client threads send /v1/completions for MINUTES:
 prompts of 8 to ~2,800 tokens, a third opening with one of three long shared prefixes, max_tokens
 16 to 512 (``ignore_eos``), every other request streamed. A request past REQUEST_TIMEOUT is a
 timeout; one that fails, is not 200, does not end with ``finish_reason == "length"`` or returns
@@ -46,6 +48,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gpu"))
 from gpu_harness import VllmServer, grep, pair, stop_all  # noqa: E402
 from gpu_models import PRESETS, gdn_prefill_config, has_mtp, write_model  # noqa: E402
+from model_folders import add_models_option, kept_folder  # noqa: E402
 
 FREE_GIB = [32.0, 16.0]
 MAX_MODEL_LEN = 4096
@@ -381,6 +384,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sample-s", type=float, default=30.0, help="seconds between samples")
     ap.add_argument("--boot-timeout", type=float, default=420.0)
     ap.add_argument("--no-mtp", action="store_true", help="serve without speculative decoding")
+    add_models_option(ap)
     ap.add_argument("--gpu-memory-utilization", type=float,
                     default=float(os.environ["SOAK_GPU_UTIL"]) if os.environ.get("SOAK_GPU_UTIL") else None,
                     help="share the GPUs with other work: no ballast, each rank's budget capped at this "
@@ -428,9 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out: Path = args.outdir
     out.mkdir(parents=True, exist_ok=True)
-    model = out / "models" / args.preset
-    if not (model / "config.json").exists() or not any(model.glob("*.safetensors")):
-        write_model(args.preset, model, "random")
+    # vLLM hashes the folder's path as given
+    model = kept_folder(args.models.expanduser().resolve(), f"{args.preset}-random",
+                        lambda d: write_model(args.preset, d, "random"))
 
     if args.no_mtp:
         mtp, mtp_why = False, "turned off with --no-mtp"

@@ -14,6 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import headline as hl  # noqa: E402
+import model_folders  # noqa: E402
 
 
 def _paths(arm) -> tuple[str, str]:
@@ -49,7 +50,7 @@ def test_the_default_models_folder_is_the_users_cache(tmp_path, monkeypatch):
     assert hl.build_parser().parse_args(["out"]).models == tmp_path / "xdg" / "vllm-dualgpu" / "headline-models"
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert hl.default_models_dir() == tmp_path / "home" / ".cache" / "vllm-dualgpu" / "headline-models"
+    assert model_folders.default_models_dir() == tmp_path / "home" / ".cache" / "vllm-dualgpu" / "headline-models"
     assert hl.build_parser().parse_args(["out", "--models", "m"]).models == Path("m")
 
 

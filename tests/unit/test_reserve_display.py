@@ -180,6 +180,27 @@ def test_plans_note_says_why_each_card_keeps_what_it_keeps(monkeypatch, capsys):
     assert "display=no" in note  # how to say a card is headless
 
 
+@pytest.mark.parametrize("entries,env,expected", [
+    (("display=yes", "display=no"), "512MiB", {0: (512 * MiB, envs.RESERVE), 1: (512 * MiB, envs.RESERVE)}),
+    (("display=yes", "display=no"), "512MiB,2GiB", {0: (512 * MiB, envs.RESERVE), 1: (2 * GiB, envs.RESERVE)}),
+    (("display=yes", "display=no:reserve=0"), "2GiB", {0: (2 * GiB, envs.RESERVE), 1: (0, "--gpus reserve=")}),
+])
+def test_plan_gpus_with_display_keys_under_the_environment(monkeypatch, capsys, entries, env, expected):
+    """`plan --gpus` with display= keys and VLLM_DUALGPU_RESERVE set: the environment's sizes
+    over the display rule, a card's reserve= over both; the plan and its note agree."""
+    from vllm_dualgpu.cli import main
+
+    monkeypatch.setenv(envs.RESERVE, env)
+    spec = f"RTX 5090:{entries[0]},RTX 4070 Ti SUPER:{entries[1]}"
+    assert main(["plan", "--gpus", spec, "-pp", "2", "--max-model-len", "8192", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert {r["gpu"]["index"]: r["gpu"]["reserve_bytes"] for r in printed["plan"]["ranks"]} == {
+        i: size for i, (size, _) in expected.items()}
+    (note,) = [n for n in printed["notes"] if n.startswith("left free for others")]
+    for i, (size, why) in expected.items():
+        assert f"{size / GiB:.2f} GiB on [{i}] " in note and why in note.split(f"on [{i}] ")[1].split(")")[0]
+
+
 def test_doctor_gives_plan_the_reserve_of_each_cards_display(monkeypatch):
     import vllm_dualgpu.nvml
     from vllm_dualgpu.cli import doctor

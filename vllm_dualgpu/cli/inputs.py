@@ -66,9 +66,11 @@ GIVEN_RESERVE = "--gpus reserve="
 """Why a card keeps its reserve when its ``--gpus`` entry names it."""
 
 
-def with_default_reserves(gpus, spec: str | None):
+def with_default_reserves(gpus, spec: str | None, reserves: list | None = None):
     """GPUs whose --gpus entry names no reserve= get what the executor would keep free on them
-    (:func:`card_reserves`)."""
+    (:func:`card_reserves`; ``reserves``: its answer for these ``gpus`` and ``spec``, where the
+    caller has it already)."""
     from dataclasses import replace
 
-    return [replace(g, reserve_bytes=r.bytes) for g, r in zip(gpus, card_reserves(gpus, spec))]
+    reserves = card_reserves(gpus, spec) if reserves is None else reserves
+    return [replace(g, reserve_bytes=r.bytes) for g, r in zip(gpus, reserves)]

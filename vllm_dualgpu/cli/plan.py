@@ -14,12 +14,12 @@ import os
 import re
 import shlex
 import sys
-from dataclasses import replace
 
 from vllm_dualgpu.cli.inputs import REFERENCE_PLACEHOLDER
 from vllm_dualgpu.cli.inputs import UsageError as _Fail
 from vllm_dualgpu.cli.inputs import read_config as _read_config
 from vllm_dualgpu.cli.inputs import card_reserves as _card_reserves
+from vllm_dualgpu.cli.inputs import with_default_reserves as _with_default_reserves
 from vllm_dualgpu.planner.objective import DEFAULT_OBJECTIVE, OBJECTIVES, rule
 
 _EPILOG = """\
@@ -184,7 +184,7 @@ def _cards(args, have_model: bool):
     explicit = args.gpus if args.gpus is not None and args.gpus.strip().lower() != "local" else None
     given = {i for i, entry in enumerate(explicit.split(",")) if "bw=" in entry} if explicit else set()
     reserves = _card_reserves(gpus, explicit)
-    gpus = [replace(g, reserve_bytes=r.bytes) for g, r in zip(gpus, reserves)]
+    gpus = _with_default_reserves(gpus, explicit, reserves)
     note = _reserve_note(gpus, reserves, from_nvml=uuids is not None)
     used = machine_profile.apply(gpus, uuids, getattr(args, "profile", None), keep=given)
     return used.gpus, notes + ([note] if note else []), used

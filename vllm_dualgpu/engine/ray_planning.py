@@ -120,7 +120,7 @@ def apply_to_bundles(vllm_config, nodes: list[NodeFacts], bundles: list[tuple[in
                                      quantization=vllm_config.model_config.quantization)
     user_partition = settings["user_partition"]
     request = planning.plan_request(vllm_config, user_partition)
-    order, cards, ordered_request, result = plan_across_nodes(
+    order, reserves, cards, ordered_request, result = plan_across_nodes(
         model, [n for n in nodes if not n.error and held.get(n.node_id)], request, sizes,
         settings.get("gpu_memory_utilization"))
     # vLLM's own (patched) KV functions price the chosen order's split, as on one host.
@@ -134,7 +134,7 @@ def apply_to_bundles(vllm_config, nodes: list[NodeFacts], bundles: list[tuple[in
     os.environ[BUNDLE_ENV] = ",".join(map(str, indices))
     ranked = [VisibleGpu(g.index, g.name, g.total_bytes, g.free_bytes, g.capability or (0, 0),
                          g.bandwidth_gbps, "", g.nvlink) for _, g in order]
-    why = [r.why for r in _reserves(sizes, order)]
+    why = [r.why for r in reserves]
     record = planning._handoff(result, ranked, user_partition, why=why)
     record = replace(record, ranks=tuple(replace(r, node_id=n.node_id) for r, (n, _) in zip(record.ranks, order)))
     planning.hand_over(vllm_config, record, off="per-rank memory budgets and the planned GPU order inside each node",
@@ -162,30 +162,32 @@ def _record_nodes(result, ranked: list[VisibleGpu], nodes: list[NodeFacts], indi
 
 def plan_across_nodes(model, nodes: list[NodeFacts], request, sizes: list[int] | None,
                       utilization: float | None):
-    """(rank order, the planner's cards and request for it, the plan): every order :func:`rank_orders` offers is planned with the order
-    fixed, and the fleet planner's rule picks among those that fit (``plan --fleet`` shows the
-    same choice); when none fits, the one reaching the longest context explains or warns
+    """(rank order, its cards' reserves (``envs.Reserve``), the planner's cards and request for
+    it, the plan): every order :func:`rank_orders` offers is planned with the order fixed, and
+    the fleet planner's rule picks among those that fit (``plan --fleet`` shows the same
+    choice); when none fits, the one reaching the longest context explains or warns
     (:func:`vllm_dualgpu.engine.planning.plan_or_explain`). ``sizes``: VLLM_DUALGPU_RESERVE's
     one size for every card; None: each card keeps its default by its display state."""
     from vllm_dualgpu.planner import PlanError, fit
 
     tried, errors = [], []
     for order in rank_orders(nodes):
+        reserves = _reserves(sizes, order)
         caps = planning._utilization_caps(utilization, [g.total_bytes for _, g in order])
-        cards = plan_cards(order, [r.bytes for r in _reserves(sizes, order)], caps)
+        cards = plan_cards(order, [r.bytes for r in reserves], caps)
         req = replace(request, gpu_order=list(range(len(cards))))
         try:
-            tried.append((order, cards, req, fit(model, cards, req)))
+            tried.append((order, reserves, cards, req, fit(model, cards, req)))
         except PlanError as e:  # does not fit at all in this order
             errors.append(e)
     if not tried:
         raise errors[0]
-    fitting = [t for t in tried if t[3].fits]
+    fitting = [t for t in tried if t[4].fits]
     if fitting:
-        chosen = best_plan([t[3].plan for t in fitting])
-        return next((o, c, r, f.plan) for o, c, r, f in fitting if f.plan is chosen)
-    order, cards, req, _ = max(tried, key=lambda t: t[3].largest_max_model_len)
-    return order, cards, req, planning.plan_or_explain(model, cards, req)
+        chosen = best_plan([t[4].plan for t in fitting])
+        return next((o, w, c, r, f.plan) for o, w, c, r, f in fitting if f.plan is chosen)
+    order, reserves, cards, req, _ = max(tried, key=lambda t: t[4].largest_max_model_len)
+    return order, reserves, cards, req, planning.plan_or_explain(model, cards, req)
 
 
 def node_gpu_order(plan: handoff.Handoff | None, rank: int) -> list[int] | None:
