@@ -71,3 +71,35 @@ def test_the_experts_pool_is_planned_alike_and_warned_not_refused(engine_config,
         tight = [n for n in p.warnings if n.startswith(f"--num-gpu-blocks-override {blocks}: rank 0 (RTX 4070 Ti SUPER)"
                                                     " is predicted short by")]
         assert len(tight) == 1 and "lower the override" in tight[0]
+
+
+SERVING = ["--max-model-len", "262144", "--kv-cache-dtype", "fp8", "--enable-prefix-caching",
+           "--max-num-seqs", "2", "--max-num-batched-tokens", "1024"]
+
+
+def test_the_drafters_attention_backend_reaches_both_plans(engine_config, reference_dirs, monkeypatch):
+    """The launchers' DRAFT_ATTN (`"attention_backend": "TRITON_ATTN"` in --speculative-config): a
+    drafter off FlashInfer has no FlashInfer workspace of its own on the last rank. `plan` reads the
+    flag's JSON and the executor vLLM's SpeculativeConfig: both see the backend and charge the
+    last rank alike, one workspace less than with the drafter on FlashInfer."""
+    target, draft = reference_dirs
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "19,45")
+    base = {"method": "dflash", "model": str(draft), "num_speculative_tokens": 7}
+    spec = {**base, "attention_backend": "TRITON_ATTN"}
+    gpus = parse_gpus(GPUS)
+    cli_model, cli_req = cli_request(target, SERVING + ["--speculative-config", json.dumps(spec),
+                                                        "--layer-partition", "19,45"])
+    _, cli_flashinfer = cli_request(target, SERVING + ["--speculative-config", json.dumps(base),
+                                                       "--layer-partition", "19,45"])
+    cfg = engine_config(model=str(target), load_format="dummy", skip_tokenizer_init=True, pipeline_parallel_size=2,
+                        distributed_executor_backend="dualgpu", max_model_len=262144, kv_cache_dtype="fp8",
+                        enable_prefix_caching=True, max_num_seqs=2, max_num_batched_tokens=1024,
+                        speculative_config=spec, mamba_ssm_cache_dtype="float32")
+    ex_model = ModelSpec.from_hf_config(cfg.model_config.hf_config.to_dict(), quantization=cfg.model_config.quantization)
+    ex_req = planning.plan_request(cfg, planning._settings(cfg)["user_partition"])
+    assert str(ex_req.speculative.get("attention_backend", "")).upper().endswith("TRITON_ATTN"), ex_req.speculative
+    cli, ex, on_flashinfer = (fit(m, gpus, r).plan for m, r in
+                              ((cli_model, cli_req), (ex_model, ex_req), (cli_model, cli_flashinfer)))
+    assert cli.ranks[-1].reserve_bytes == ex.ranks[-1].reserve_bytes
+    assert on_flashinfer.ranks[-1].reserve_bytes - cli.ranks[-1].reserve_bytes >= 300 * 2**20
+    assert on_flashinfer.ranks[0].reserve_bytes == cli.ranks[0].reserve_bytes  # the drafter is on the last rank

@@ -41,6 +41,9 @@ def speculative_dict(vllm_config) -> dict | None:
     if sc is None:
         return None
     out = {"method": sc.method, "num_speculative_tokens": sc.num_speculative_tokens}
+    backend = getattr(sc, "attention_backend", None)  # the drafter's own (the launchers' DRAFT_ATTN)
+    if backend is not None:
+        out["attention_backend"] = getattr(backend, "name", str(backend))
     draft = getattr(sc, "draft_model_config", None)
     if draft is not None and draft.model != vllm_config.model_config.model:
         out["model"] = draft.model
