@@ -18,7 +18,7 @@ from vllm.v1.worker.gpu_worker import Worker
 
 from vllm_dualgpu import envs, plugin
 from vllm_dualgpu import rank_summary
-from vllm_dualgpu.engine import handoff
+from vllm_dualgpu.engine import handoff, profile_pass
 from vllm_dualgpu.engine import virtual_card
 from vllm_dualgpu.log import logger
 from vllm_dualgpu.planner.gpus import rank_budget
@@ -198,7 +198,11 @@ class DualGpuWorker(Worker):
                         "skipped its memory profile, so the plan's non-KV figure is not checked; "
                         "weights %s, %s%s", self.rank, _gib(available), weights, held, split)
             return available
-        # The profiled pass: vLLM applies the allocator's split limit around it itself.
+        # One unmeasured pass first (compilation, autotuning), then vLLM's measured one, which
+        # vLLM runs under the allocator's split limit itself.
+        first = profile_pass.first_profile_pass(self)
+        if first:
+            logger.info("vllm-dualgpu rank %d: %s", self.rank, first)
         available = super().determine_available_memory()
         weights = _gib(getattr(self.model_runner, "model_memory_usage", 0) or 0)
         record = getattr(self, "_dualgpu_rank", None)
