@@ -81,7 +81,7 @@ def test_the_drafters_attention_backend_reaches_both_plans(engine_config, refere
     """The launchers' DRAFT_ATTN (`"attention_backend": "TRITON_ATTN"` in --speculative-config): a
     drafter off FlashInfer has no FlashInfer workspace of its own on the last rank. `plan` reads the
     flag's JSON and the executor vLLM's SpeculativeConfig: both see the backend and charge the
-    last rank alike, one workspace less than with the drafter on FlashInfer."""
+    last rank alike, one workspace less than with the drafter put on FlashInfer."""
     target, draft = reference_dirs
     monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "19,45")
     base = {"method": "dflash", "model": str(draft), "num_speculative_tokens": 7}
@@ -89,7 +89,8 @@ def test_the_drafters_attention_backend_reaches_both_plans(engine_config, refere
     gpus = parse_gpus(GPUS)
     cli_model, cli_req = cli_request(target, SERVING + ["--speculative-config", json.dumps(spec),
                                                         "--layer-partition", "19,45"])
-    _, cli_flashinfer = cli_request(target, SERVING + ["--speculative-config", json.dumps(base),
+    _, cli_flashinfer = cli_request(target, SERVING + ["--speculative-config",
+                                                       json.dumps({**base, "attention_backend": "FLASHINFER"}),
                                                        "--layer-partition", "19,45"])
     cfg = engine_config(model=str(target), load_format="dummy", skip_tokenizer_init=True, pipeline_parallel_size=2,
                         distributed_executor_backend="dualgpu", max_model_len=262144, kv_cache_dtype="fp8",
@@ -103,3 +104,45 @@ def test_the_drafters_attention_backend_reaches_both_plans(engine_config, refere
     assert cli.ranks[-1].reserve_bytes == ex.ranks[-1].reserve_bytes
     assert on_flashinfer.ranks[-1].reserve_bytes - cli.ranks[-1].reserve_bytes >= 300 * 2**20
     assert on_flashinfer.ranks[0].reserve_bytes == cli.ranks[0].reserve_bytes  # the drafter is on the last rank
+
+
+def test_zero_flags_put_the_dflash_drafter_where_the_plan_does(engine_config, reference_dirs, monkeypatch):
+    """No backend chosen: the executor sets the DFlash drafter's attention backend by the
+    planner's rule before the workers start (the target on FlashInfer: mismatched capabilities,
+    fp8 KV), and its plan then charges the last rank what `plan` charges for the same flags."""
+    from vllm_dualgpu.engine.attention_backend import apply_common_backend, apply_drafter_backend
+
+    target, draft = reference_dirs
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "19,45")
+    spec = {"method": "dflash", "model": str(draft), "num_speculative_tokens": 7}
+    cli_model, cli_req = cli_request(target, SERVING + ["--speculative-config", json.dumps(spec),
+                                                        "--layer-partition", "19,45"])
+    cfg = engine_config(model=str(target), load_format="dummy", skip_tokenizer_init=True, pipeline_parallel_size=2,
+                        distributed_executor_backend="dualgpu", max_model_len=262144, kv_cache_dtype="fp8",
+                        enable_prefix_caching=True, max_num_seqs=2, max_num_batched_tokens=1024,
+                        speculative_config=spec, mamba_ssm_cache_dtype="float32")
+    assert cfg.speculative_config.attention_backend is None
+    caps = [g.capability for g in parse_gpus(GPUS)]
+    apply_common_backend(cfg, caps)
+    assert apply_drafter_backend(cfg, caps) == "TRITON_ATTN"
+    assert cfg.speculative_config.attention_backend.name == "TRITON_ATTN"
+    assert cfg.attention_config.backend.name == "FLASHINFER"  # the target's stays
+    assert apply_drafter_backend(cfg, caps) is None  # now chosen: left as it is
+    ex_model = ModelSpec.from_hf_config(cfg.model_config.hf_config.to_dict(), quantization=cfg.model_config.quantization)
+    ex_req = planning.plan_request(cfg, planning._settings(cfg)["user_partition"])
+    gpus = parse_gpus(GPUS)
+    cli, ex = fit(cli_model, gpus, cli_req).plan, fit(ex_model, gpus, ex_req).plan
+    assert cli.ranks[-1].reserve_bytes == ex.ranks[-1].reserve_bytes
+    assert cli.ranks[-1].reserve_detail["flashinfer_workspace"] == 394 * 2**20  # the target's only
+
+
+def test_an_mtp_drafter_keeps_the_targets_backend(engine_config, reference_dirs):
+    from vllm_dualgpu.engine.attention_backend import apply_drafter_backend
+
+    target, _ = reference_dirs
+    cfg = engine_config(model=str(target), load_format="dummy", skip_tokenizer_init=True, pipeline_parallel_size=2,
+                        distributed_executor_backend="dualgpu", max_model_len=262144, kv_cache_dtype="fp8",
+                        max_num_seqs=2, max_num_batched_tokens=1024,
+                        speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+    assert apply_drafter_backend(cfg, [g.capability for g in parse_gpus(GPUS)]) is None
+    assert cfg.speculative_config.attention_backend is None

@@ -12,6 +12,10 @@ fp8-mtp arm (split 15/49) rank 0's 4.60 GiB held 112,000 tokens where one group 
 Under dualgpu with PP > 1, when the ranks differ in capability, the KV cache is fp8, and the user
 chose no backend, the executor sets FlashInfer (which runs on every capability the planner knows,
 with fp8 KV) for every rank, before the workers start, in the config they receive.
+
+A DFlash drafter whose target runs FlashInfer gets TRITON_ATTN unless the user chose its backend
+(``speculative_config.attention_backend``): the planner's rule, ``planner.memory.
+drafter_attention_backend``, which says why.
 """
 
 from __future__ import annotations
@@ -65,4 +69,27 @@ def apply_common_backend(vllm_config, capabilities: Iterable[tuple[int, int]]) -
 
     attention.backend = AttentionBackendEnum[backend]
     logger.info("vllm-dualgpu: attention backend %s on every rank: %s", backend, why)
+    return backend
+
+
+def apply_drafter_backend(vllm_config, capabilities: Iterable[tuple[int, int]]) -> str | None:
+    """Executor side, before the workers spawn: the drafter's attention backend where the
+    planner's rule sets one the user did not (``speculative_config.attention_backend``), asked
+    as the planner asks it (the target on FlashInfer: ``attention_uses_flashinfer``). Returns the
+    backend set, or None."""
+    from vllm_dualgpu.planner.memory import attention_uses_flashinfer, drafter_attention_backend
+
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None or getattr(spec, "attention_backend", None) is not None or not hasattr(spec, "attention_backend"):
+        return None
+    target = attention_uses_flashinfer(str(vllm_config.cache_config.cache_dtype), list(capabilities))
+    backend = drafter_attention_backend({"method": spec.method}, target)
+    if backend is None:
+        return None
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    spec.attention_backend = AttentionBackendEnum[backend]
+    logger.info("vllm-dualgpu: the %s drafter's attention on %s (its window layers are a KV group of their "
+                "own; on FlashInfer the last rank would hold a second workspace); set \"attention_backend\" in "
+                "--speculative-config to choose another", spec.method, backend)
     return backend

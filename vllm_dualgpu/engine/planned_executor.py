@@ -44,11 +44,12 @@ class PlannedExecutor:
             # One ERROR line first: vLLM's "EngineCore failed to start" traceback follows.
             logger.error("%s", e)
             raise
-        from vllm_dualgpu.engine.attention_backend import apply_common_backend
+        from vllm_dualgpu.engine.attention_backend import apply_common_backend, apply_drafter_backend
 
         capabilities = [g.capability for g in self.dualgpu.gpus]
         apply_flashinfer_autotune_policy(self.vllm_config.kernel_config, capabilities)
         apply_common_backend(self.vllm_config, capabilities)
+        apply_drafter_backend(self.vllm_config, capabilities)
         # The workers know they are in a dualgpu run from their class (DualGpuWorker) and the
         # plan's hand-off in the config they receive (process.is_dualgpu_run): no environment.
 

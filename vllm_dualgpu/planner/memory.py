@@ -129,6 +129,26 @@ def attention_uses_flashinfer(kv_cache_dtype: str, capabilities) -> bool:
     return any(c[0] == 10 for c in known)
 
 
+def drafter_attention_backend(speculative: dict | None, target_flashinfer: bool) -> str | None:
+    """The drafter's attention backend under the dualgpu executor, by name: the user's
+    (``speculative_config.attention_backend``); else TRITON_ATTN for a DFlash drafter whose target
+    runs FlashInfer; else None (the drafter takes the target's, as in vLLM).
+
+    A DFlash drafter's sliding-window layers form a KV cache group of their own, so its backend need
+    not match the target's; on FlashInfer it would build a second 394 MiB workspace on the last rank
+    (vLLM's speculator initializes its attention backends again). The reference launchers run the
+    drafter on TRITON_ATTN (their DRAFT_ATTN), measured on the virtual pair with the target on
+    FlashInfer (benchmarks/results/2026-12-02-headline-virtual-run6). MTP and EAGLE drafters keep
+    the target's: their layers share the target's attention KV layout."""
+    spec = speculative or {}
+    chosen = spec.get("attention_backend")
+    if chosen:
+        return str(getattr(chosen, "name", chosen)).rsplit(".", 1)[-1].upper()
+    if spec.get("method") == "dflash" and target_flashinfer:
+        return "TRITON_ATTN"
+    return None
+
+
 def cudagraph_capture_tokens(max_num_seqs: int, decode_query_len: int) -> int:
     """vLLM 0.33's largest CUDA-graph capture size by default (config/vllm.py,
     ``_set_cudagraph_sizes``): ``min(max_num_seqs x decode query length x 2, 512)``."""

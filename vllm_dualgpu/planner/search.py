@@ -29,6 +29,7 @@ from vllm_dualgpu.planner.memory import (
     MemoryModel,
     attention_uses_flashinfer,
     default_batch_limits,
+    drafter_attention_backend,
     runtime_reserve,
 )
 from vllm_dualgpu.planner.model import DrafterSpec, ModelSpec
@@ -374,9 +375,10 @@ class _Context:
         # FlashInfer's workspace buffers: the target's on every rank, the drafter's own on the last
         self.flashinfer = attention_uses_flashinfer(request.kv_cache_dtype,
                                                     [g.capability for g in gpus_by_index.values()])
-        drafter_backend = str((request.speculative or {}).get("attention_backend") or "FLASHINFER").upper()
+        # the executor's rule applies to dualgpu runs (PP > 1); a stock run keeps vLLM's choice
+        self.drafter_backend = drafter_attention_backend(request.speculative, self.flashinfer and pp > 1)
         self.drafter_flashinfer = bool(self.flashinfer and self.drafter is not None and self.drafter.kv_layers
-                                       and drafter_backend == "FLASHINFER")
+                                       and self.drafter_backend in (None, "FLASHINFER"))
 
         # Prefix sums over the decoder layers: layers [start, end) cost x[end] - x[start].
         L = model.num_layers
@@ -912,6 +914,9 @@ def _make_plan(ctx: _Context, c: _Candidate, max_model_len: int, decode_tokens: 
             "the drafter loads its own copy of the embedding on the last rank under PP "
             "(vLLM 0.30 maybe_share_target_embed)"
         )
+    if ctx.drafter_backend and not (ctx.request.speculative or {}).get("attention_backend"):
+        notes.append(f"the drafter's attention runs on {ctx.drafter_backend} (its window layers are a KV group of "
+                     "their own; on FlashInfer the last rank would hold a second 394 MiB workspace)")
     if auto_fit:
         notes.append(f"--max-model-len auto: {max_model_len:,} is the largest that fits")
     kv_max = c.max_ctx

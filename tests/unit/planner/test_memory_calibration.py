@@ -8,9 +8,12 @@ and from vLLM 0.33's sources, not read back from the code under test.
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 
+from vllm_dualgpu import planner as P
 from vllm_dualgpu.planner import GpuFacts, MemoryModel, ModelSpec, PlanRequest, fit, reference_config
 from vllm_dualgpu.planner.memory import attention_uses_flashinfer, runtime_reserve
 
@@ -20,6 +23,7 @@ GIB = 1 << 30
 # metadata builder set (v1/worker/gpu/attn_utils.py shares one across the target's groups; the
 # drafter's speculator calls init_attn_backend again: a second buffer on the last rank)
 FLASHINFER_WS = 394 * MIB
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.parametrize("kv, caps, expected", [
@@ -126,3 +130,38 @@ def test_where_the_executor_sets_flashinfer_the_plan_charges_its_workspace(caps,
     backend, _ = decide_common_backend(caps, kv, None, specs_carry_alignment=True)
     if backend == COMMON_BACKEND:
         assert attention_uses_flashinfer(kv, caps)
+
+
+@pytest.mark.parametrize("spec,target_flashinfer,expected", [
+    ({"method": "dflash"}, True, "TRITON_ATTN"),  # the reference launchers' DRAFT_ATTN
+    ({"method": "dflash"}, False, None),  # the target's backend, as in vLLM
+    ({"method": "dflash", "attention_backend": "FLASHINFER"}, True, "FLASHINFER"),  # the user's
+    ({"method": "dflash", "attention_backend": "flash_attn"}, True, "FLASH_ATTN"),
+    ({"method": "mtp"}, True, None),  # MTP shares the target's attention KV layout
+    ({"method": "eagle3"}, True, None),
+    (None, True, None),
+])
+def test_the_drafters_backend(spec, target_flashinfer, expected):
+    from vllm_dualgpu.planner.memory import drafter_attention_backend
+
+    assert drafter_attention_backend(spec, target_flashinfer) == expected
+
+
+def test_a_dflash_drafter_off_flashinfer_holds_no_second_workspace():
+    """Zero flags on the reference pair (fp8 KV, mismatched cards: the target on FlashInfer): the
+    DFlash drafter runs on TRITON_ATTN, the last rank holds one FlashInfer workspace; a drafter the
+    user puts on FlashInfer holds its own as well."""
+    drafter = json.loads((ROOT / "tests" / "fixtures" / "dflash2_drafter_standin.json").read_text())
+    model = P.ModelSpec.from_hf_config(P.reference_config(), weight_format="fp8")
+    gpus = P.parse_gpus("RTX 4070 Ti SUPER:display=no,RTX 5090:display=yes")
+
+    def last_rank(spec):
+        req = P.PlanRequest(max_model_len=131_072, kv_cache_dtype="fp8", max_num_seqs=2, max_num_batched_tokens=1024,
+                            speculative={"method": "dflash", "num_speculative_tokens": 7, "draft_config": drafter, **spec},
+                            enable_prefix_caching=True, layer_partition=[19, 45], gpu_order=[0, 1])
+        return P.fit(model, gpus, req).plan
+
+    plain, on_fi = last_rank({}), last_rank({"attention_backend": "FLASHINFER"})
+    assert plain.ranks[1].reserve_detail["flashinfer_workspace"] == FLASHINFER_WS
+    assert on_fi.ranks[1].reserve_detail["flashinfer_workspace"] == 2 * FLASHINFER_WS
+    assert any("TRITON_ATTN" in n for n in plain.notes) and not any("TRITON_ATTN" in n for n in on_fi.notes)
