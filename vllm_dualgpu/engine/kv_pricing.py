@@ -8,10 +8,13 @@ checked with vLLM's own functions: the layers the planner sized become vLLM's sp
 (``FullAttentionSpec`` or, for a drafter's sliding-window layers, ``SlidingWindowSpec`` with
 vLLM's dtype and quantization mode for the cache dtype, ``MambaSpec`` with the model class's
 own state shapes and dtypes), vLLM's grouping forms the
-groups from every rank's layers and planned KV memory (as ``get_kv_cache_configs`` does at run
-time), and the planner searches again with that grouping (``KVLayout.regrouped``, the same
-interface as the mirror). The plan's pool is then checked against vLLM's per-rank bytes per
-block and longest request (``engine/vllm_kv.py``).
+groups from the plan's split, every rank's layers and planned KV memory (as
+``get_kv_cache_configs`` does at run time). The planner prices every split with the grouping
+that split gets (``planner/kv_grouping.per_rank_grouping``); where vLLM's grouping of the plan's split is
+another, the planner searches again with vLLM's (``KVLayout.regrouped``, the same interface as
+the mirror) for that split and its own for every other, until vLLM agrees with the split it
+chose. The plan's pool is then checked against vLLM's per-rank bytes per block and longest
+request (``engine/vllm_kv.py``).
 
 What stays the mirror's: the hybrid block size (vLLM's workers align it when they build the
 model, after this runs; the hybrid-block-size patches make every stage use one) and the
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 
 from vllm_dualgpu.log import logger
 
-#: Rounds of "group for this split, search again": the grouping depends on the split it is formed for.
+#: Rounds of "vLLM groups the chosen split otherwise: search again with its grouping for that split".
 MAX_ROUNDS = 3
 
 
@@ -208,13 +211,15 @@ def _quiet():
 
 
 def reprice(vllm_config, plan, search: Callable) -> tuple[object, VllmPool | None]:
-    """The plan with its KV cache priced by vLLM's functions: ``search(kv_layout)`` plans again
-    with vLLM's grouping until the split it is formed for keeps it. Returns the plan and vLLM's
-    pool for it (None, with a WARNING, where the layers cannot be written as vLLM's specs)."""
+    """The plan with its KV cache priced by vLLM's functions: where vLLM groups the plan's split
+    otherwise than the planner did, ``search(groupings)`` plans again with vLLM's grouping for the
+    splits in ``groupings`` ({(GPU order, split): layout}) and the planner's own for every other
+    split, until vLLM groups the chosen split as it was priced. Returns the plan and vLLM's pool
+    for it (None, with a WARNING, where the layers cannot be written as vLLM's specs)."""
     from vllm_dualgpu.engine.vllm_kv import groups_for_ranks
 
     mirror = plan.kv
-    tried: list[tuple[int, ...]] = []
+    groupings: dict[tuple, object] = {}
     with _quiet(), _layout_resolved(vllm_config):
         specs = None
         for round_ in range(MAX_ROUNDS):
@@ -231,18 +236,19 @@ def reprice(vllm_config, plan, search: Callable) -> tuple[object, VllmPool | Non
                 logger.warning("vllm-dualgpu: KV cache priced by the planner's own arithmetic "
                                "only: %s", why)
                 return plan, None
-            if (priced.same_grouping(plan.kv) or round_ == MAX_ROUNDS - 1
-                    or tuple(plan.partition) in tried):
+            split = (tuple(plan.order), tuple(plan.partition))
+            if priced.same_grouping(plan.kv) or round_ == MAX_ROUNDS - 1 or split in groupings:
                 break  # the groups and the pool are this plan's
-            tried.append(tuple(plan.partition))
-            plan = search(priced)
-    if not priced.same_grouping(mirror):
+            groupings[split] = priced
+            plan = search(dict(groupings))
+    if groupings:
+        (_, first), vllm_grouping = next(iter(groupings.items()))
         logger.info(
-            "vllm-dualgpu: KV cache priced with vLLM's grouping under this package's patches: "
-            "%d groups of %s layers (the planner's stock mirror: %d groups of %s); split %s",
-            len(priced.groups), "/".join(sorted({str(len(g.members)) for g in priced.groups})),
-            len(mirror.groups), "/".join(sorted({str(len(g.members)) for g in mirror.groups})),
-            "/".join(map(str, plan.partition)),
+            "vllm-dualgpu: KV cache priced with vLLM's grouping under this package's patches: it groups split "
+            "%s into %d groups of %s layers, the planner %d groups of %s; the %d split(s) vLLM grouped are "
+            "priced with its grouping, every other with the planner's; split %s",
+            "/".join(map(str, first)), len(vllm_grouping.groups), _sizes(vllm_grouping), len(mirror.groups),
+            _sizes(mirror), len(groupings), "/".join(map(str, plan.partition)),
         )
     override = plan.request.num_gpu_blocks_override
     if override is not None:  # the pool is the user's; vLLM's count from the budgets is moot
@@ -257,3 +263,7 @@ def reprice(vllm_config, plan, search: Callable) -> tuple[object, VllmPool | Non
             [r.kv_bytes_per_block for r in plan.ranks],
         )
     return plan, pool
+
+
+def _sizes(layout) -> str:
+    return "/".join(sorted({str(len(g.members)) for g in layout.groups}, key=int))

@@ -147,7 +147,7 @@ def apply_plan(vllm_config) -> AppliedPlan:
     result = plan_or_explain(model, cards, request)
     # Where vLLM is loaded its own (patched) KV functions price the split: plan and run agree.
     result, _ = kv_pricing.reprice(
-        vllm_config, result, lambda layout: plan_or_explain(model, cards, request, kv_layout=layout))
+        vllm_config, result, lambda groupings: plan_or_explain(model, cards, request, kv_groupings=groupings))
 
     # vLLM's rank r runs on assigned_physical_gpu_ids[r]: the multiprocess executor gives worker
     # r local_rank r (v1/executor/multiproc_executor.py:190 in 0.30.0, :206 in 0.33.0; one
@@ -287,10 +287,10 @@ def _handoff(result, ranked: list[VisibleGpu], user_partition, stages=None,
 CONTEXT_MARGIN = 0.05
 
 
-def plan_or_explain(model, facts, request, kv_layout=None):
+def plan_or_explain(model, facts, request, kv_groupings=None):
     from vllm_dualgpu.planner import fit
 
-    f = fit(model, facts, request, kv_layout=kv_layout)
+    f = fit(model, facts, request, kv_groupings=kv_groupings)
     if f.fits:
         return f.plan
     if f.largest_max_model_len < (1 - CONTEXT_MARGIN) * f.requested_max_model_len:

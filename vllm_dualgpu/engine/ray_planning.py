@@ -124,8 +124,8 @@ def apply_to_bundles(vllm_config, nodes: list[NodeFacts], bundles: list[tuple[in
         model, [n for n in nodes if not n.error and held.get(n.node_id)], request, sizes,
         settings.get("gpu_memory_utilization"))
     # vLLM's own (patched) KV functions price the chosen order's split, as on one host.
-    result, _ = kv_pricing.reprice(vllm_config, result, lambda layout: planning.plan_or_explain(
-        model, cards, ordered_request, kv_layout=layout))
+    result, _ = kv_pricing.reprice(vllm_config, result, lambda groupings: planning.plan_or_explain(
+        model, cards, ordered_request, kv_groupings=groupings))
 
     # Bundles of one node are interchangeable (vLLM maps a node's workers to its GPUs by local
     # rank), so each rank takes the next unused bundle of its node.

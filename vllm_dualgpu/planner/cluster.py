@@ -202,9 +202,11 @@ def rank_orders(nodes: list[NodeFacts]) -> list[list[tuple[NodeFacts, GpuFacts]]
 
 def best_plan(plans: list, hops=lambda p: 0):
     """The fleet planner's choice among plans that fit: the largest KV pool (within the
-    planner's POOL_TOLERANCE), then the fewest network hops, then the fastest decode step."""
-    best = max(p.num_blocks for p in plans)
-    near = [p for p in plans if p.num_blocks >= best * POOL_TOLERANCE]
+    planner's POOL_TOLERANCE), then the fewest network hops, then the fastest decode step. Pools
+    are compared in tokens of --max-model-len requests: each plan's KV grouping is its split's,
+    so blocks of two plans can differ in size."""
+    best = max(p.pool_tokens for p in plans)
+    near = [p for p in plans if p.pool_tokens >= best * POOL_TOLERANCE]
     return min(near, key=lambda p: (hops(p), p.predicted_decode_ms or 0.0))
 
 

@@ -1,7 +1,7 @@
 """KV-cache arithmetic, mirroring vLLM 0.30 (``vllm/v1/core/kv_cache_utils.py``).
 
 This is the pure mirror ``vllm-dualgpu plan`` uses, including the grouping the package's KV
-patches choose under the dualgpu executor (:meth:`KVLayout.per_rank_grouping`). The executor,
+patches choose under the dualgpu executor (planner/kv_grouping.py). The executor,
 where vLLM is loaded, prices it again with vLLM's own (patched) functions
 (:meth:`KVLayout.regrouped`, engine/kv_pricing.py) and must find the same groups.
 
@@ -163,7 +163,7 @@ class KVLayout:
     raw_slots: list[KVSlot] = field(default_factory=list)
     """Each layer's page before page sizes are unified: what vLLM's layers report."""
     stock_groups: list[KVGroup] = field(default_factory=list)
-    """Stock vLLM's grouping of a hybrid layout (what :meth:`per_rank_grouping` starts from)."""
+    """Stock vLLM's grouping of a hybrid layout (what planner/kv_grouping.py starts from)."""
     # prefix sums per group over target layer index; drafter part per group
     _prefix: list[list[int]] = field(default_factory=list, repr=False)
     _drafter: list[int] = field(default_factory=list, repr=False)
@@ -412,85 +412,6 @@ class KVLayout:
         layout._index()
         return layout
 
-    def per_rank_grouping(self, partition, memory, max_model_len: int) -> KVLayout:
-        """The grouping the package's KV patches give this layout's layers under the dualgpu
-        executor with PP > 1 (patches/kv_cache_utils.choose_grouping, kv-groups-without-padding):
-        among vLLM's own grouping (this layout's) and groupings that cut each spec bucket into the
-        fewest groups holding at most ``cap`` layers on any one rank (``b[i::n]``, layers rank by
-        rank), none with more groups than vLLM's, the one whose ``max_model_len`` request needs
-        the smallest share of the tightest rank's KV ``memory`` (bytes per block of the rank x
-        blocks per request, as vLLM's ``_max_memory_usage_bytes_from_groups`` measures it); on a
-        tie vLLM's grouping, then fewer groups. ``partition``: target layers per rank (the
-        drafter's on the last rank); ``memory``: each rank's KV bytes. Returns this layout when
-        vLLM's grouping wins or it has one group."""
-        if len(self.stock_groups) < 2:
-            return self
-        stock = self if self.grouping == "hybrid" else replace(
-            self, groups=list(self.stock_groups), grouping="hybrid", notes=list(self.notes),
-            raw_slots=list(self.raw_slots))
-        if stock is not self:
-            stock._index()
-        bounds, start = [], 0
-        for n in partition:
-            bounds.append((start, start + n))
-            start += n
-        last = len(bounds) - 1
-
-        def rank_of(s: KVSlot) -> int:
-            if s.layer_index is None:
-                return last
-            return next(r for r, (a, b) in enumerate(bounds) if a <= s.layer_index < b)
-
-        buckets: dict[tuple, list[int]] = {}
-        for i, s in enumerate(self.slots):
-            buckets.setdefault(s.spec_key, []).append(i)
-        # vLLM's merged spec lists the layers rank by rank (each rank's in model order)
-        for key in buckets:
-            buckets[key].sort(key=lambda i: (rank_of(self.slots[i]), i))
-        per_rank = {key: [sum(1 for i in b if rank_of(self.slots[i]) == r) for r in range(len(bounds))]
-                    for key, b in buckets.items()}
-
-        def cost(layout: KVLayout) -> float:
-            per_req = layout.blocks_per_request(max_model_len)
-            worst = 0.0
-            for r, (a, b) in enumerate(bounds):
-                bpb = layout.bytes_per_block(a, b, r == last)
-                if bpb:
-                    worst = max(worst, bpb * per_req / max(memory[r], 1))
-            return worst
-
-        mamba_blocks = (2 if self.mamba_cache_mode == "align" else 1) + self.num_speculative_tokens
-        candidates = [(round(cost(stock), 12), 0, len(stock.groups), stock)]
-        most = max(max(c) for c in per_rank.values())
-        for cap in range(1, most + 1):
-            groups: list[KVGroup] = []
-            for key, members in buckets.items():
-                n = min(max(1, max(cdiv(c, cap) for c in per_rank[key])), len(members))
-                for i in range(n):
-                    part = tuple(members[i::n])
-                    s0 = self.slots[part[0]]
-                    if s0.kind == "mamba":
-                        groups.append(KVGroup("mamba", part, 0, mamba_blocks))
-                    else:
-                        groups.append(KVGroup("attention", part, s0.tokens_per_block, 0, s0.window_tokens))
-            if len(groups) > len(stock.groups):
-                continue
-            layout = replace(self, groups=groups, grouping="dualgpu", notes=list(self.notes),
-                             raw_slots=list(self.raw_slots))
-            layout._index()
-            candidates.append((round(cost(layout), 12), 1, len(groups), layout))
-        best = min(candidates, key=lambda c: c[:3])[3]
-        if best is not stock:
-            sizes = "/".join(sorted({str(len(g.members)) for g in best.groups}, key=int))
-            best.notes = [n for n in best.notes  # stock vLLM's grouping, which this one replaces
-                          if "drafter's attention layers have their own KV spec" not in n
-                          and not n.startswith("vLLM groups the ")]
-            best.notes.append(
-                f"with PP > 1 the dualgpu executor groups the {len(best.slots)} KV layers into "
-                f"{len(best.groups)} groups of {sizes} layers instead of vLLM's {len(stock.groups)} "
-                "(its KV patches: fewer layers of one group on the tightest rank)")
-        return best
-
     def same_grouping(self, other: KVLayout) -> bool:
         """Whether ``other`` groups the same layers together with the same pages and blocks."""
         def key(lay: KVLayout):
@@ -547,22 +468,38 @@ def _replace(s: KVSlot, **kw) -> KVSlot:
 
 def _hybrid_groups(slots: list[KVSlot], mamba_cache_mode: str, num_spec: int) -> list[KVGroup]:
     """``_get_kv_cache_groups_uniform_page_size``: bucket by spec, equal-size strided groups."""
-    buckets: dict[tuple, list[int]] = {}
-    for i, s in enumerate(slots):
-        buckets.setdefault(s.spec_key, []).append(i)
-    lens = [len(b) for b in buckets.values()]
+    buckets = spec_buckets(slots)
+    lens = [len(b) for b in buckets]
     group_size = min(lens)
     if max(lens) < min(lens) * 1.5:
         group_size = max(lens)
-    mamba_blocks = (2 if mamba_cache_mode == "align" else 1) + num_spec
+    return strided_groups(slots, buckets, [cdiv(len(b), group_size) for b in buckets],
+                          mamba_blocks(mamba_cache_mode, num_spec))
+
+
+def spec_buckets(slots: list[KVSlot]) -> list[tuple[int, ...]]:
+    """The slots' indices by spec, buckets in order of first appearance (vLLM's, as it walks
+    the layers: rank by rank, which is model order, the drafter's last)."""
+    buckets: dict[tuple, list[int]] = {}
+    for i, s in enumerate(slots):
+        buckets.setdefault(s.spec_key, []).append(i)
+    return [tuple(b) for b in buckets.values()]
+
+
+def mamba_blocks(mamba_cache_mode: str, num_spec: int) -> int:
+    """Blocks one request takes in a Gated DeltaNet group ("align" mode keeps one more)."""
+    return (2 if mamba_cache_mode == "align" else 1) + num_spec
+
+
+def strided_groups(slots: list[KVSlot], buckets: list[tuple[int, ...]], counts, mamba_blocks_: int) -> list[KVGroup]:
+    """Each bucket cut into ``counts[b]`` groups ``bucket[i::n]``, as vLLM cuts it."""
     groups: list[KVGroup] = []
-    for key, members in buckets.items():
-        n = cdiv(len(members), group_size)
+    for members, n in zip(buckets, counts):
         for i in range(n):
-            part = tuple(members[i::n])
+            part = members[i::n]
             s0 = slots[part[0]]
             if s0.kind == "mamba":
-                groups.append(KVGroup("mamba", part, 0, mamba_blocks))
+                groups.append(KVGroup("mamba", part, 0, mamba_blocks_))
             else:
                 groups.append(KVGroup("attention", part, s0.tokens_per_block, 0, s0.window_tokens))
     return groups

@@ -9,8 +9,10 @@ pool; among the splits within :data:`POOL_TOLERANCE` of it, the fastest predicte
 ``auto`` is ``speed`` (as it was before; kept for existing settings). ``--max-model-len auto``
 asks for the longest context, so it is planned by ``pool`` whatever the objective.
 
-Candidates are the search's (planner/search.py): anything with ``num_blocks``, ``decode_ms``
-(None where a card's bandwidth is unknown), ``order`` and ``partition``.
+Candidates are the search's (planner/search.py): anything with ``num_blocks``, ``per_request``
+(the blocks one request of the asked length takes from that pool: each split is priced with its
+own KV grouping, so blocks of two splits can differ in size and pools are compared in requests),
+``decode_ms`` (None where a card's bandwidth is unknown), ``order`` and ``partition``.
 """
 
 from __future__ import annotations
@@ -38,22 +40,34 @@ def rule(objective: str, auto_fit: bool) -> str:
     return "pool" if objective == "pool" or auto_fit else "speed"
 
 
-def select(cands: list, rule_: str, seqs_blocks: int, one_blocks: int = 0):
-    """The candidate the rule takes. ``seqs_blocks``: the blocks ``--max-num-seqs`` requests of
-    the full length take at once (with the null block); "speed" keeps the candidates that hold
-    them when any does, and of those the ones that hold what they must (those requests, or one
-    request of ``one_blocks``) with :data:`HOLD_MARGIN` to spare, when any does."""
+def pool_size(c) -> float:
+    """A candidate's pool in requests of the asked length (vLLM's concurrency figure)."""
+    return c.num_blocks / c.per_request
+
+
+def holds(c, requests: int, margin: float = 0.0) -> bool:
+    """Whether a candidate's pool holds ``requests`` requests of the asked length at once (with
+    the null block), with ``margin`` to spare."""
+    return c.num_blocks >= (requests * c.per_request + 1) * (1 + margin)
+
+
+def select(cands: list, rule_: str, seqs: int = 0):
+    """The candidate the rule takes. ``seqs``: how many requests of the full length
+    (``--max-num-seqs``) "speed" asks a pool to hold at once: it keeps the candidates that hold
+    them when any does, and of those the ones that hold what they must (those requests, or one)
+    with :data:`HOLD_MARGIN` to spare, when any does (0: nothing asked, no margin)."""
     if rule_ == "pool":
-        best_blocks = max(c.num_blocks for c in cands)
-        tied = [c for c in cands if c.num_blocks >= best_blocks * POOL_TOLERANCE]
+        best = max(pool_size(c) for c in cands)
+        tied = [c for c in cands if pool_size(c) >= best * POOL_TOLERANCE]
         return min(tied, key=lambda c: (c.decode_ms or 0.0, -c.partition[-1], c.partition))
-    holds_seqs = seqs_blocks > 0 and any(c.num_blocks >= seqs_blocks for c in cands)
-    need = seqs_blocks if holds_seqs else one_blocks
-    held = [c for c in cands if c.num_blocks >= seqs_blocks] if holds_seqs else list(cands)
-    held = [c for c in held if c.num_blocks >= need * (1 + HOLD_MARGIN)] or held
+    holds_seqs = seqs > 0 and any(holds(c, seqs) for c in cands)
+    held = [c for c in cands if holds(c, seqs)] if holds_seqs else list(cands)
+    if seqs > 0:
+        need = seqs if holds_seqs else 1
+        held = [c for c in held if holds(c, need, HOLD_MARGIN)] or held
     fastest = min(c.decode_ms for c in held)
     near = [c for c in held if c.decode_ms <= fastest * (1 + SPEED_TOLERANCE) + 1e-9]
-    return min(near, key=lambda c: (-c.num_blocks, c.decode_ms, -c.partition[-1], c.partition))
+    return min(near, key=lambda c: (-pool_size(c), c.decode_ms, -c.partition[-1], c.partition))
 
 
 @dataclass(frozen=True)

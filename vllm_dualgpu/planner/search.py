@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from vllm_dualgpu.planner.errors import BadRequest, ContextTooLong, ModelDoesNotFit, PlanError
 from vllm_dualgpu.planner.gpus import GpuFacts
 from vllm_dualgpu.planner.kv import DEFAULT_KERNEL_BLOCK_ALIGNMENT, KVLayout
+from vllm_dualgpu.planner.kv_grouping import SplitGrouping
 from vllm_dualgpu.planner.memory import (
     MIB,
     MemoryModel,
@@ -33,7 +34,16 @@ from vllm_dualgpu.planner.memory import (
     runtime_reserve,
 )
 from vllm_dualgpu.planner.model import DrafterSpec, ModelSpec
-from vllm_dualgpu.planner.objective import DEFAULT_OBJECTIVE, OBJECTIVES, PoolAlternative, rule, select, trade_line
+from vllm_dualgpu.planner.objective import (
+    DEFAULT_OBJECTIVE,
+    OBJECTIVES,
+    PoolAlternative,
+    holds,
+    pool_size,
+    rule,
+    select,
+    trade_line,
+)
 
 GIB = 1 << 30
 
@@ -74,7 +84,7 @@ class PlanRequest:
     drafter_shares_embedding: bool = False
     kv_grouping: str = "stock"
     """"dualgpu": the KV cache is grouped as the package's KV patches group it under the dualgpu
-    executor with PP > 1 (:meth:`KVLayout.per_rank_grouping`); "stock": as stock vLLM groups it."""
+    executor with PP > 1, for each split (planner/kv_grouping.py); "stock": as stock vLLM groups it."""
     decode_context_tokens: int | None = None
     kernel_block_alignment: int = DEFAULT_KERNEL_BLOCK_ALIGNMENT
     allow_long_max_model_len: bool = False
@@ -446,6 +456,35 @@ class _Context:
             self.state_prefix[i + 1] = self.state_prefix[i] + per_layer_state[i]
         self.drafter_kv_tok = d_tok_bytes
         self.min_blocks = self.kv.blocks_per_request(1) + 1  # one token + the null block
+        self.length = 0  # the request length each split's KV grouping is formed for
+        self.grouping: SplitGrouping | None = None
+        self.known: dict = {}
+        self._blocks: dict[int, tuple[KVLayout, int, int]] = {}
+
+    def group_per_split(self, length: int, known: dict | None) -> None:
+        """Price every split with the KV grouping it gets (the package's KV patches group for a
+        split's layers and KV budgets: planner/kv_grouping.per_rank_grouping), for requests of
+        ``length``; ``known``: {(GPU order, split): layout} priced instead, the executor's
+        groupings by vLLM's own functions."""
+        self.length = length
+        self.grouping = SplitGrouping(self.kv, length)
+        self.known = dict(known or {})
+
+    def layout_for(self, order: tuple[int, ...], partition: tuple[int, ...], memory: list[int]) -> KVLayout:
+        """The KV layout a split is priced with: its own grouping for ``memory`` (each rank's KV
+        bytes as the grouping sees them), or the one layout every split is priced with."""
+        if self.grouping is None:
+            return self.kv
+        known = self.known.get((tuple(order), tuple(partition)))
+        return known if known is not None else self.grouping.for_split(partition, memory)
+
+    def request_blocks(self, kv: KVLayout) -> tuple[int, int]:
+        """(the fewest blocks a pool priced with ``kv`` holds: one token and the null block, the
+        blocks one request of the length the groupings are formed for takes), once per layout."""
+        if id(kv) not in self._blocks:
+            length = self.length or self.model.max_position_embeddings
+            self._blocks[id(kv)] = (kv, kv.blocks_per_request(1) + 1, kv.blocks_per_request(length))
+        return self._blocks[id(kv)][1:]
 
     def last_extra_read(self) -> int:
         m = self.model
@@ -454,8 +493,10 @@ class _Context:
             b += self.drafter.decode_read_bytes * self.drafter.passes
         return b
 
-    def rank_cost(self, start: int, end: int, first: bool, last: bool, decode_tokens: int) -> RankCost:
-        """What the rank holding decoder layers [start, end) pays, in its pipeline role."""
+    def rank_cost(self, start: int, end: int, first: bool, last: bool, decode_tokens: int,
+                  kv: KVLayout | None = None) -> RankCost:
+        """What the rank holding decoder layers [start, end) pays, in its pipeline role, its KV
+        cache priced with ``kv`` (the context's layout when None)."""
         role = (first, last)
         read = (self.read_prefix[end] - self.read_prefix[start]
                 + decode_tokens * (self.kv_token_prefix[end] - self.kv_token_prefix[start])
@@ -467,7 +508,7 @@ class _Context:
             weights_bytes=self.weight_prefix[end] - self.weight_prefix[start],
             fixed_bytes=self.fixed_sum[role],
             runtime_reserve_bytes=self.reserve_sum[role],
-            kv_bytes_per_block=self.kv.bytes_per_block(start, end, last),
+            kv_bytes_per_block=(kv or self.kv).bytes_per_block(start, end, last),
             decode_read_bytes=read,
         )
 
@@ -507,6 +548,9 @@ class _Candidate:
     max_ctx: int
     decode_ms: float | None
     shortfall: list[int]  # bytes each rank is short of weights+fixed+reserve+minimal KV (<=0: fits)
+    kv: KVLayout  # the layout this split is priced with (its own grouping, planner/kv_grouping.py)
+    min_blocks: int  # the fewest its pool holds: one token and the null block
+    per_request: int  # blocks one request of the length chosen for takes from its pool
     # the same without the runtime reserve and the memory kept free: what a user-set pool may use
     hard_shortfall: list[int] | None = None
 
@@ -522,38 +566,43 @@ class _Candidate:
 def _evaluate(ctx: _Context, order: tuple[int, ...], partition: tuple[int, ...], decode_tokens: int) -> _Candidate:
     req = ctx.request
     pp = len(partition)
-    start = 0
-    bpbs, budgets, avails, blocks, shorts, hard = [], [], [], [], [], []
+    bounds, start = [], 0
+    for n in partition:
+        bounds.append((start, start + n))
+        start += n
+    gpus = [ctx.gpus[i] for i in order]
+    # the KV budget (and decode reads) of each rank do not depend on the KV grouping; its grouping
+    # depends on them (on --kv-cache-memory-bytes instead where set: vLLM then skips its profile)
+    costs = [ctx.rank_cost(a, b, r == 0, r == pp - 1, decode_tokens) for r, (a, b) in enumerate(bounds)]
+    budgets = [cost.kv_budget(g.budget_bytes) for cost, g in zip(costs, gpus)]
+    kv = ctx.layout_for(order, partition, budgets if req.kv_cache_memory_bytes is None
+                        else [req.kv_cache_memory_bytes] * pp)
+    min_blocks, per_request = ctx.request_blocks(kv)
+    bpbs, avails, blocks, shorts, hard = [], [], [], [], []
     decode_ms: float | None = 0.0
-    for r, n in enumerate(partition):
-        end = start + n
-        gpu = ctx.gpus[order[r]]
-        cost = ctx.rank_cost(start, end, r == 0, r == pp - 1, decode_tokens)
-        bpb = cost.kv_bytes_per_block
-        kv_budget = cost.kv_budget(gpu.budget_bytes)
+    for r, ((a, b), cost, gpu, kv_budget) in enumerate(zip(bounds, costs, gpus, budgets)):
+        bpb = kv.bytes_per_block(a, b, r == pp - 1)
         if req.num_gpu_blocks_override is not None:
             avail = req.num_gpu_blocks_override * bpb
             short = avail - kv_budget
             hard.append(short - cost.runtime_reserve_bytes - gpu.reserve_bytes)
         elif req.kv_cache_memory_bytes is not None:
             avail = req.kv_cache_memory_bytes
-            short = max(avail, ctx.min_blocks * bpb) - kv_budget
+            short = max(avail, min_blocks * bpb) - kv_budget
         else:
             avail = kv_budget
-            short = ctx.min_blocks * bpb - kv_budget
-        b = avail // bpb if avail > 0 and bpb > 0 else 0
+            short = min_blocks * bpb - kv_budget
         bpbs.append(bpb)
-        budgets.append(kv_budget)
         avails.append(avail)
-        blocks.append(b)
+        blocks.append(avail // bpb if avail > 0 and bpb > 0 else 0)
         shorts.append(short)
         if decode_ms is not None:
             ms = cost.decode_ms(gpu.bandwidth_gbps)
             decode_ms = None if ms is None else decode_ms + ms
-        start = end
     num_blocks = req.num_gpu_blocks_override if req.num_gpu_blocks_override is not None else min(blocks)
-    max_ctx = ctx.kv.max_len_for_blocks(num_blocks) if num_blocks > 0 else 0
+    max_ctx = kv.max_len_for_blocks(num_blocks) if num_blocks > 0 else 0
     return _Candidate(order, tuple(partition), bpbs, budgets, avails, blocks, num_blocks, max_ctx, decode_ms, shorts,
+                      kv, min_blocks, per_request,
                       hard if req.num_gpu_blocks_override is not None else None)
 
 
@@ -565,7 +614,7 @@ def _rank_plans(ctx: _Context, c: _Candidate, decode_tokens: int) -> list[RankPl
         end = start + n
         first, last = r == 0, r == pp - 1
         gpu = ctx.gpus[c.order[r]]
-        cost = ctx.rank_cost(start, end, first, last, decode_tokens)
+        cost = ctx.rank_cost(start, end, first, last, decode_tokens, c.kv)
         weights, fixed, reserve = cost.weights_bytes, cost.fixed_bytes, cost.runtime_reserve_bytes
         kv_alloc = c.num_blocks * c.bpb[r]
         read, ms = cost.decode_read_bytes, cost.decode_ms(gpu.bandwidth_gbps)
@@ -579,7 +628,7 @@ def _rank_plans(ctx: _Context, c: _Candidate, decode_tokens: int) -> list[RankPl
                 reserve_bytes=reserve,
                 kv_bytes_per_block=c.bpb[r],
                 blocks=c.blocks[r],
-                max_context_tokens=ctx.kv.max_len_for_blocks(c.blocks[r]) if c.blocks[r] > 0 else 0,
+                max_context_tokens=c.kv.max_len_for_blocks(c.blocks[r]) if c.blocks[r] > 0 else 0,
                 predicted_free_after_bytes=gpu.free_bytes - fixed - weights - reserve - kv_alloc,
                 predicted_decode_ms=ms,
                 budget_bytes=gpu.budget_bytes,
@@ -653,23 +702,21 @@ def _fit_or_raise(f: Fit) -> Plan:
     return f.plan
 
 
-#: Rounds of "group for this split, search again" (the grouping depends on the split it is
-#: formed for); the executor's pricing with vLLM's functions takes as many (engine/kv_pricing.py).
-GROUPING_ROUNDS = 3
-
-
 def fit(
     model: ModelSpec, gpus: list[GpuFacts], request: PlanRequest | None = None, *,
-    kv_layout: KVLayout | None = None, _check_stock: bool = False
+    kv_layout: KVLayout | None = None, kv_groupings: dict | None = None, _check_stock: bool = False
 ) -> Fit:
-    """See :func:`_fit_grouped`. A plan the "speed" rule chose carries what the "pool" objective
+    """See :func:`_fit_once`. A plan the "speed" rule chose carries what the "pool" objective
     gives for the same request (``Plan.pool_alternative``, planned as ``vllm-dualgpu plan`` plans
-    it, without ``kv_layout``) where that is another split."""
+    it, without ``kv_layout`` or ``kv_groupings``) where that is another split."""
     request = request or PlanRequest()
-    f = _fit_grouped(model, gpus, request, kv_layout=kv_layout, _check_stock=_check_stock)
+    alone = kv_layout is None and not kv_groupings  # then the same candidates answer the pool objective
+    f, alt = _fit_once(model, gpus, request, kv_layout=kv_layout, kv_groupings=kv_groupings,
+                       _check_stock=_check_stock, pool_too=alone)
     p = f.plan
     if f.fits and p.objective == "speed" and not p.passthrough and len(p.partition) > 1:
-        alt = _fit_grouped(model, gpus, replace(request, objective="pool"), _check_stock=_check_stock)
+        if alt is None:
+            alt, _ = _fit_once(model, gpus, replace(request, objective="pool"), _check_stock=_check_stock)
         # a trade only where the pool objective's split holds more (its 1% tolerance can take a
         # faster split with a smaller pool than the speed rule's, on cards of equal speed)
         if alt.fits and (alt.plan.order, alt.plan.partition) != (p.order, p.partition) \
@@ -678,42 +725,24 @@ def fit(
     return f
 
 
-def _fit_grouped(
-    model: ModelSpec, gpus: list[GpuFacts], request: PlanRequest | None = None, *,
-    kv_layout: KVLayout | None = None, _check_stock: bool = False
-) -> Fit:
-    """See :func:`_fit_once`. With ``request.kv_grouping == "dualgpu"`` (and no ``kv_layout``),
-    the KV cache is grouped as the package's KV patches group it for the chosen split and each
-    rank's KV budget, and the split searched again with that grouping until it keeps it, as
-    the executor does with vLLM's own functions (engine/kv_pricing.reprice)."""
-    request = request or PlanRequest()
-    f = _fit_once(model, gpus, request, kv_layout=kv_layout, _check_stock=_check_stock)
-    if kv_layout is not None or request.kv_grouping != "dualgpu" or f.plan.passthrough:
-        return f
-    length = f.requested_max_model_len or model.max_position_embeddings
-    tried: list[tuple[int, ...]] = []
-    for round_ in range(GROUPING_ROUNDS):
-        p = f.plan
-        layout = p.kv.per_rank_grouping(p.partition, p.grouping_budgets(), length)
-        if layout.same_grouping(p.kv) or round_ == GROUPING_ROUNDS - 1 or tuple(p.partition) in tried:
-            break
-        tried.append(tuple(p.partition))
-        f = _fit_once(model, gpus, request, kv_layout=layout, _check_stock=_check_stock)
-    return f
-
-
 def _fit_once(
     model: ModelSpec, gpus: list[GpuFacts], request: PlanRequest | None = None, *,
-    kv_layout: KVLayout | None = None, _check_stock: bool = False
-) -> Fit:
+    kv_layout: KVLayout | None = None, kv_groupings: dict | None = None, _check_stock: bool = False,
+    pool_too: bool = False
+) -> tuple[Fit, Fit | None]:
     """:func:`plan`, with a requested ``--max-model-len`` that no split holds answered, not
     raised: ``Fit(fits=False)`` with the plan at the largest length that fits. Raises
     :class:`ModelDoesNotFit` (not even one request fits) and :class:`BadRequest` as :func:`plan`
-    does, never :class:`ContextTooLong`.
+    does, never :class:`ContextTooLong`. With ``pool_too``, where the "speed" rule chose the
+    plan that fits, the same candidates also answer the "pool" objective (the second of the
+    pair; else None).
 
-    ``kv_layout`` prices the KV cache instead of the pure mirror (``KVLayout.build`` from the
-    request): the executor passes the layout regrouped by vLLM's own functions
-    (engine/kv_pricing.py); ``vllm-dualgpu plan`` runs without vLLM and uses the mirror."""
+    With ``request.kv_grouping == "dualgpu"`` and PP > 1 every split is priced with the KV
+    grouping the package's KV patches give it (for its layers, its ranks' KV budgets and the
+    requested length: planner/kv_grouping.per_rank_grouping on the pure mirror,
+    ``KVLayout.build`` from the request); ``kv_groupings`` ({(GPU order, split): layout})
+    prices those splits with the layout given instead: the executor's, regrouped by vLLM's own
+    functions (engine/kv_pricing.py). ``kv_layout`` prices every split with that one layout."""
     request = request or PlanRequest()
     if not gpus:
         raise BadRequest("no GPUs to plan for")
@@ -729,7 +758,7 @@ def _fit_once(
 
     if (request.pp_size == 1 or len(gpus) == 1) and not _check_stock:
         p = _passthrough(model, gpus, request)
-        return Fit(p, True, None if request.max_model_len == -1 else p.max_model_len, p.max_context_tokens)
+        return Fit(p, True, None if request.max_model_len == -1 else p.max_model_len, p.max_context_tokens), None
     if request.pp_size > len(gpus):
         raise BadRequest(
             f"--pipeline-parallel-size {request.pp_size} needs {request.pp_size} GPUs; {len(gpus)} given"
@@ -755,6 +784,8 @@ def _fit_once(
     if request.gpu_order is not None:
         overrides["gpu_order"] = ",".join(map(str, request.gpu_order))
     ctx = _Context(model, request, pp, {g.index: g for g in used}, kv_layout)
+    if kv_layout is None and request.kv_grouping == "dualgpu" and pp > 1:  # the patches group under PP only
+        ctx.group_per_split(target if target is not None else model.max_position_embeddings, kv_groupings)
     decode_tokens = request.decode_context_tokens
     if decode_tokens is None:
         decode_tokens = target if target is not None else model.max_position_embeddings
@@ -787,7 +818,7 @@ def _fit_once(
 
     orders = _orders(used, request.gpu_order is not None)
     cands = [_evaluate(ctx, o, tuple(p), decode_tokens) for o in orders for p in partitions]
-    fitting = [c for c in cands if c.fits and c.num_blocks >= ctx.min_blocks]
+    fitting = [c for c in cands if c.fits and c.num_blocks >= c.min_blocks]
     if not fitting and request.num_gpu_blocks_override is not None:
         # The user owns the pool (vLLM does not check the override against memory): a pool the
         # plan's estimates call tight runs as set, with a warning; one past the card is refused.
@@ -815,28 +846,32 @@ def _fit_once(
         )
     # vLLM caps --max-model-len at the model's maximum unless VLLM_ALLOW_LONG_MAX_MODEL_LEN is set
     cap = model.max_position_embeddings if not request.allow_long_max_model_len else max(c.max_ctx for c in fitting)
-    best = max(fitting, key=lambda c: (min(c.max_ctx, cap), c.num_blocks))
+    best = max(fitting, key=lambda c: (min(c.max_ctx, cap), pool_size(c)))
     largest = min(best.max_ctx, cap)
-    if target is not None:
-        feasible = [c for c in fitting if c.max_ctx >= target]
+    feasible = fitting if target is None else [c for c in fitting if c.max_ctx >= target]
+
+    def decide(objective: str) -> Fit:
+        said = list(notes)  # what the rule notes is this answer's
         if not feasible:
             # the plan at the largest length that fits: the split the objective takes at that length
             # (the serve line printed with it plans it again)
             at = [c for c in fitting if min(c.max_ctx, cap) >= largest]
-            short, rule_, held = _choose(ctx, at, largest, request.objective, False, used, notes, best)
+            short, rule_, held = _choose(ctx, at, largest, objective, False, used, said, best)
             dt = decode_tokens if request.decode_context_tokens is not None else min(decode_tokens, largest)
-            at_largest = _make_plan(ctx, short, largest, dt, overrides, notes, len(cands), auto_fit=False,
+            at_largest = _make_plan(ctx, short, largest, dt, overrides, said, len(cands), auto_fit=False,
                                     rule_=rule_, held=held)
             return Fit(at_largest, False, target, largest)
-    else:
-        feasible = fitting
-    chosen, rule_, held = _choose(ctx, feasible, target, request.objective, auto_fit, used, notes)
-    final_len = target if target is not None else min(chosen.max_ctx, cap)
-    if auto_fit and request.decode_context_tokens is None:
-        decode_tokens = final_len  # predict decode at the context it fitted, not the model's maximum
-    chosen_plan = _make_plan(ctx, chosen, final_len, decode_tokens, overrides, notes, len(cands), auto_fit,
-                             rule_=rule_, held=held)
-    return Fit(chosen_plan, True, target, largest)
+        chosen, rule_, held = _choose(ctx, feasible, target, objective, auto_fit, used, said)
+        final_len = target if target is not None else min(chosen.max_ctx, cap)
+        dt = decode_tokens
+        if auto_fit and request.decode_context_tokens is None:
+            dt = final_len  # predict decode at the context it fitted, not the model's maximum
+        chosen_plan = _make_plan(ctx, chosen, final_len, dt, overrides, said, len(cands), auto_fit,
+                                 rule_=rule_, held=held)
+        return Fit(chosen_plan, True, target, largest)
+
+    f = decide(request.objective)
+    return f, (decide("pool") if pool_too and f.fits and f.plan.objective == "speed" else None)
 
 
 def _least_short(cands: list[_Candidate]) -> _Candidate:
@@ -863,14 +898,14 @@ def _choose(ctx: _Context, cands: list[_Candidate], length: int | None, objectiv
         unknown = ", ".join(f"GPU {g.index} ({g.name})" for g in used if not g.bandwidth_gbps)
         notes.append(f"no memory bandwidth known for {unknown}: the split is chosen for the largest KV pool, "
                      "not the fastest predicted decode (plan takes a card's bandwidth as --gpus 'NAME:bw=GB/s')")
+    if length is not None and length != (ctx.length or ctx.model.max_position_embeddings):
+        cands = [replace(c, per_request=c.kv.blocks_per_request(length)) for c in cands]
     if rule_ == "pool":
-        return (pool_choice or select(cands, rule_, 0)), rule_, 1
+        return (pool_choice or select(cands, rule_)), rule_, 1
     assert length is not None  # auto_fit is planned by the pool rule
     # a pool for --max-num-seqs requests of the full length at once, where a split holds one
-    one_blocks = ctx.kv.blocks_per_request(length) + 1
-    seqs_blocks = ctx.max_num_seqs * (one_blocks - 1) + 1
-    held = ctx.max_num_seqs if any(c.num_blocks >= seqs_blocks for c in cands) else 1
-    return select(cands, rule_, seqs_blocks, one_blocks), rule_, held
+    held = ctx.max_num_seqs if any(holds(c, ctx.max_num_seqs) for c in cands) else 1
+    return select(cands, rule_, ctx.max_num_seqs), rule_, held
 
 
 def check_stock(model: ModelSpec, gpus: list[GpuFacts], request: PlanRequest | None = None) -> Plan:
@@ -905,7 +940,7 @@ def _make_plan(ctx: _Context, c: _Candidate, max_model_len: int, decode_tokens: 
                rule_: str = "pool", held: int = 1) -> Plan:
     model = ctx.model
     ranks = _rank_plans(ctx, c, decode_tokens)
-    notes = list(notes) + list(ctx.kv.notes)
+    notes = list(notes) + list(c.kv.notes)
     if ctx.request.num_gpu_blocks_override is not None:
         notes.append("--num-gpu-blocks-override: vLLM does not check this against free memory; the plan refuses "
                      "a pool past a card and warns of one past its estimates")
@@ -927,12 +962,12 @@ def _make_plan(ctx: _Context, c: _Candidate, max_model_len: int, decode_tokens: 
         partition=list(c.partition),
         ranks=ranks,
         num_blocks=c.num_blocks,
-        block_size=ctx.kv.block_size,
+        block_size=c.kv.block_size,
         max_model_len=max_model_len,
         max_context_tokens=min(kv_max, model.max_position_embeddings),
         kv_max_context_tokens=kv_max,
-        pool_tokens=ctx.kv.pool_tokens(c.num_blocks, max_model_len) if max_model_len > 0 else 0,
-        kv=ctx.kv,
+        pool_tokens=c.kv.pool_tokens(c.num_blocks, max_model_len) if max_model_len > 0 else 0,
+        kv=c.kv,
         overrides=dict(overrides),
         passthrough=False,
         objective=rule_,

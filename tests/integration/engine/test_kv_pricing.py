@@ -4,7 +4,7 @@ Real VllmConfigs on the CPU platform, the registry's engine-side patches applied
 executor applies them. Where stock vLLM and the package's KV patches group alike (dense, a
 hybrid with MTP), vLLM's pricing must give the pure mirror's plan exactly. Where the patches
 group otherwise (a drafter with its own attention spec next to a hybrid model), the mirror prices
-the patches' grouping (KVLayout.per_rank_grouping), and the executor's plan must still be the
+the patches' grouping (planner/kv_grouping.per_rank_grouping), and the executor's plan must still be the
 mirror's and what vLLM's run-time ``get_kv_cache_configs`` gives for the same per-rank memory.
 """
 
@@ -56,7 +56,7 @@ def priced(vllm_config):
     gpus = parse_gpus(GPUS)
     mirror = planning.plan_or_explain(model, gpus, request)
     plan, pool = kv_pricing.reprice(
-        vllm_config, mirror, lambda layout: planning.plan_or_explain(model, gpus, request, kv_layout=layout))
+        vllm_config, mirror, lambda groupings: planning.plan_or_explain(model, gpus, request, kv_groupings=groupings))
     return mirror, plan, pool
 
 
@@ -143,7 +143,7 @@ def test_layers_vllm_would_size_otherwise_keep_the_mirror(own_spec_drafter_confi
     wrong = dataclasses.replace(mirror, kv=dataclasses.replace(mirror.kv, mamba_page_bytes=mirror.kv.mamba_page_bytes + 2))
     caplog.set_level(logging.WARNING, logger="vllm.dualgpu")
     logging.getLogger("vllm.dualgpu").propagate = True
-    plan, pool = kv_pricing.reprice(vc, wrong, lambda layout: pytest.fail("searched again"))
+    plan, pool = kv_pricing.reprice(vc, wrong, lambda groupings: pytest.fail("searched again"))
     assert plan is wrong and pool is None
     assert any("Gated DeltaNet state" in r.getMessage() and "planner's own arithmetic" in r.getMessage()
                for r in caplog.records)
@@ -162,7 +162,7 @@ def test_a_failing_vllm_function_leaves_the_whole_mirror_plan(own_spec_drafter_c
     monkeypatch.setattr(vllm_kv, "groups_for_ranks", renamed)
     caplog.set_level(logging.WARNING, logger="vllm.dualgpu")
     logging.getLogger("vllm.dualgpu").propagate = True
-    plan, pool = kv_pricing.reprice(vc, mirror, lambda layout: pytest.fail("searched again"))
+    plan, pool = kv_pricing.reprice(vc, mirror, lambda groupings: pytest.fail("searched again"))
     assert plan is mirror and pool is None
     assert any("planner's own arithmetic only: AttributeError" in r.getMessage() for r in caplog.records)
     assert vc.cache_config.kv_cache_layout is None  # the stand-in layout was taken back

@@ -5,7 +5,7 @@ the reference launchers' serving flags (fp8 KV, prefix caching, 7 draft tokens, 
 1,024 batched tokens). Real VllmConfig on the CPU platform, the engine-side patches applied as
 the executor applies them.
 
-Before the mirror priced the package's grouping (KVLayout.per_rank_grouping) it priced stock
+Before the mirror priced the package's grouping (planner/kv_grouping.per_rank_grouping) it priced stock
 vLLM's 15 groups and `plan` printed a smaller pool and another split than the run.
 """
 
@@ -65,7 +65,8 @@ def test_dflash_on_the_hybrid_plan_and_executor_agree(headline_config, caplog):
     mirror = fit(model, gpus, request).plan  # the plan at 262,144, or at the largest that fits
     caplog.set_level(logging.INFO, logger="vllm.dualgpu")
     logging.getLogger("vllm.dualgpu").propagate = True
-    plan, pool = kv_pricing.reprice(vc, mirror, lambda layout: fit(model, gpus, request, kv_layout=layout).plan)
+    plan, pool = kv_pricing.reprice(vc, mirror,
+                                    lambda groupings: fit(model, gpus, request, kv_groupings=groupings).plan)
     # vLLM's patched grouping of this split and memory is the mirror's: nothing is searched again
     assert plan is mirror, (plan.partition, mirror.partition, len(plan.kv.groups), len(mirror.kv.groups))
     assert not any("priced with vLLM's grouping" in r.getMessage() for r in caplog.records)
@@ -106,3 +107,66 @@ def test_the_run_time_planning_gives_the_plans_blocks(headline_config):
     assert configs[0].num_blocks == plan.num_blocks
     assert bpb == [r.kv_bytes_per_block for r in plan.ranks]
     assert len(configs[0].kv_cache_groups) == len(plan.kv.groups)
+
+
+def test_a_split_vllm_groups_otherwise_is_searched_again_with_its_grouping(headline_config, monkeypatch, caplog):
+    """Where vLLM's grouping of the plan's split is not the planner's (made so here: vLLM's first
+    grouping is formed without the ranks known, so the patches stand aside and stock vLLM's 15
+    groups come back), the search runs again with vLLM's grouping for that split and each other
+    split's own, and vLLM's functions then price the split chosen as the plan does."""
+    from vllm_dualgpu.engine import vllm_kv
+
+    vc = headline_config
+    model = ModelSpec.from_hf_config(vc.model_config.hf_config.to_dict(), weight_format="int8")
+    request, gpus = planning.plan_request(vc, None), parse_gpus(GPUS)
+    mirror = fit(model, gpus, request).plan
+    real, asked = vllm_kv.groups_for_ranks, []
+
+    def stock_first(vllm_config, ranks, memory):
+        asked.append(memory)
+        if len(asked) == 1:
+            return vllm_kv.model_kv_cache_groups(vllm_config, [dict(s) for s in ranks])
+        return real(vllm_config, ranks, memory)
+
+    monkeypatch.setattr(vllm_kv, "groups_for_ranks", stock_first)
+    searched = []
+
+    def search(groupings):
+        searched.append(groupings)
+        return fit(model, gpus, request, kv_groupings=groupings).plan
+
+    caplog.set_level(logging.INFO, logger="vllm.dualgpu")
+    logging.getLogger("vllm.dualgpu").propagate = True
+    plan, pool = kv_pricing.reprice(vc, mirror, search)
+    [groupings] = searched  # one search again: vLLM groups the split it then chose as the planner did
+    [(split, stock)] = groupings.items()
+    assert split == (tuple(mirror.order), tuple(mirror.partition)) and len(stock.groups) == 15
+    # the split vLLM grouped is priced with that grouping: it holds a shorter request than the
+    # planner's own grouping of it
+    again = fit(model, gpus, dataclasses.replace(request, layer_partition=mirror.partition, gpu_order=mirror.order),
+                kv_groupings=groupings).plan
+    assert again.kv is stock and again.kv_max_context_tokens < mirror.kv_max_context_tokens
+    assert plan.partition != mirror.partition and len(asked) == 2
+    assert pool.num_blocks == plan.num_blocks
+    assert list(pool.bytes_per_block) == [r.kv_bytes_per_block for r in plan.ranks]
+    assert any("priced with vLLM's grouping" in r.getMessage() for r in caplog.records)
+
+
+def test_each_split_gets_the_grouping_vllm_gives_it(headline_config):
+    """The search prices every split with the package's grouping for that split (the pure
+    mirror, planner/kv_grouping.py): on splits whose groupings differ, vLLM's own (patched)
+    grouping of the split's layers and KV budgets is the mirror's."""
+    from vllm_dualgpu.engine.vllm_kv import groups_for_ranks
+
+    vc = headline_config
+    model = ModelSpec.from_hf_config(vc.model_config.hf_config.to_dict(), weight_format="int8")
+    request, gpus = planning.plan_request(vc, None), parse_gpus(GPUS)
+    seen = set()
+    for split in ([4, 60], [8, 56], [12, 52], [21, 43]):
+        p = fit(model, gpus, dataclasses.replace(request, layer_partition=split)).plan
+        specs = kv_pricing.layer_specs(vc, p.kv)
+        with kv_pricing._quiet(), kv_pricing._layout_resolved(vc):
+            groups = groups_for_ranks(vc, kv_pricing.rank_specs(specs, p.kv, split), p.grouping_budgets())
+        assert p.kv.regrouped(kv_pricing.priced_groups(vc, groups)).same_grouping(p.kv), split
+        seen.add(len(p.kv.groups))
+    assert len(seen) > 1  # the splits were grouped differently

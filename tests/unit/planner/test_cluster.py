@@ -11,6 +11,7 @@ import pytest
 from vllm_dualgpu.planner.cluster import (
     ClusterRefused,
     NodeFacts,
+    best_plan,
     cluster_problems,
     ifname_usable,
     plan_cards,
@@ -180,3 +181,13 @@ def test_tp_group_spanning_hosts(fleet):
     problems = cluster_problems([fleet[0], three], None, 4, tp=2)
     assert len(problems) == 1 and "box2" in problems[0] and "groups of 2" in problems[0]
     assert cluster_problems(fleet, None, 4, tp=2) == []
+
+
+def test_the_fleet_compares_pools_in_tokens_not_blocks():
+    """Each order's plan has its split's KV grouping: 400 blocks of which a 65,536-token request
+    takes 200 hold fewer tokens than 300 blocks of which it takes 100."""
+    from types import SimpleNamespace
+
+    many_blocks = SimpleNamespace(num_blocks=400, pool_tokens=400 * 65536 // 200, predicted_decode_ms=9.0)
+    more_tokens = SimpleNamespace(num_blocks=300, pool_tokens=300 * 65536 // 100, predicted_decode_ms=10.0)
+    assert best_plan([many_blocks, more_tokens]) is more_tokens

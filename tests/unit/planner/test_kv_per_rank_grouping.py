@@ -1,4 +1,4 @@
-"""The pure mirror of the package's KV grouping (KVLayout.per_rank_grouping) and of a DFlash
+"""The pure mirror of the package's KV grouping (planner/kv_grouping.per_rank_grouping) and of a DFlash
 drafter's sliding-window layers, on the Qwen3.8-27B-class reference (16 attention + 48 Gated
 DeltaNet layers) with the DFlash2 stand-in drafter (5 sliding-window layers, window 4,096),
 fp8 KV, prefix caching, 7 draft tokens. Expected values are worked out by hand from vLLM's
@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from vllm_dualgpu.planner import DrafterSpec, KVLayout, ModelSpec, UnsupportedModel, reference_config
+from vllm_dualgpu.planner.kv_grouping import per_rank_grouping
 
 DRAFTER = json.loads((Path(__file__).resolve().parents[2] / "fixtures" / "dflash2_drafter_standin.json").read_text())
 GIB = 1 << 30
@@ -68,7 +69,7 @@ def test_the_package_groups_by_layers_per_rank():
     A 262,144-token request then takes 2 x 160 + 6 x (2 + 7) + 5 = 379 blocks; a block costs
     rank 1 the pages of 6 layers (6 x 1,648 x 2,048 bytes), rank 0 those of 2."""
     stock = layout()
-    lay = stock.per_rank_grouping([16, 48], [3 * GIB, 8 * GIB], 262144)
+    lay = per_rank_grouping(stock, [16, 48], [3 * GIB, 8 * GIB], 262144)
     assert len(lay.groups) == 9
     assert sorted(len(g.members) for g in lay.groups) == [5] + [8] * 8
     assert lay.blocks_per_request(262144) == 2 * 160 + 6 * 9 + 5
@@ -78,7 +79,7 @@ def test_the_package_groups_by_layers_per_rank():
     # what vLLM's stock grouping makes the same request cost: 4 x 160 + 10 x 9 + 5 = 735 blocks
     assert stock.blocks_per_request(262144) == 4 * 160 + 10 * 9 + 5
     # grouping again from the package's grouping starts from vLLM's, not from itself
-    assert lay.per_rank_grouping([16, 48], [3 * GIB, 8 * GIB], 262144).same_grouping(lay)
+    assert per_rank_grouping(lay, [16, 48], [3 * GIB, 8 * GIB], 262144).same_grouping(lay)
 
 
 def test_mtp_keeps_vllms_grouping():
@@ -87,7 +88,7 @@ def test_mtp_keeps_vllms_grouping():
     lay = KVLayout.build(model, kv_cache_dtype="fp8", drafter=drafter)
     # 17 attention layers (16 + MTP) and 48 GDN: groups of 17 -> 1 + 3 groups, nothing to gain
     assert len(lay.groups) == 4
-    assert lay.per_rank_grouping([16, 48], [3 * GIB, 8 * GIB], 262144) is lay
+    assert per_rank_grouping(lay, [16, 48], [3 * GIB, 8 * GIB], 262144) is lay
 
 
 def test_a_sliding_drafter_reads_its_window_at_decode():

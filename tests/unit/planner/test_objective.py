@@ -17,7 +17,7 @@ import pytest
 
 from vllm_dualgpu.planner import GpuFacts, ModelSpec, PlanRequest, plan
 from test_search import TINY, ZERO  # test_search.py's tiny model and zero runtime-memory model
-from vllm_dualgpu.planner.objective import DEFAULT_OBJECTIVE, SPEED_TOLERANCE, select
+from vllm_dualgpu.planner.objective import DEFAULT_OBJECTIVE, SPEED_TOLERANCE, holds, select
 
 MIB, GIB = 1 << 20, 1 << 30
 
@@ -35,8 +35,9 @@ def req(**kw):
     return PlanRequest(memory=ZERO, **kw)
 
 
-def cand(blocks, ms, part):
-    return SimpleNamespace(num_blocks=blocks, decode_ms=ms, partition=part, order=(0, 1))
+def cand(blocks, ms, part, per=1):
+    """A split's pool of ``blocks``, of which one request of the asked length takes ``per``."""
+    return SimpleNamespace(num_blocks=blocks, decode_ms=ms, partition=part, order=(0, 1), per_request=per)
 
 
 # 10.04 ms is 0.4% slower than 10.0 (within the tolerance), 10.06 ms 0.6% (outside);
@@ -58,12 +59,26 @@ def test_speed_takes_the_largest_pool_among_the_near_fastest():
 
 
 def test_speed_keeps_the_splits_that_hold_the_sequences_asked():
-    # 250 blocks for the sequences asked: 300, 297 and 296 hold them; the fastest of those is 9.0
-    assert select(CANDS, "speed", 250).partition == (5, 1)
-    # 298: only 300 holds them
-    assert select(CANDS, "speed", 298).partition == (3, 3)
-    # 400: none does; the rule falls back to every split that holds one request
-    assert select(CANDS, "speed", 400).partition == select(CANDS, "speed", 0).partition
+    # 249 requests of one block take 250 with the null block: 300, 297 and 296 hold them; the
+    # fastest of those is 9.0
+    assert select(CANDS, "speed", 249).partition == (5, 1)
+    # 297 requests (298 blocks): only 300 holds them
+    assert select(CANDS, "speed", 297).partition == (3, 3)
+    # 399 requests: none does; the rule falls back to every split that holds one request
+    assert select(CANDS, "speed", 399).partition == select(CANDS, "speed", 0).partition
+
+
+def test_pools_of_two_groupings_are_compared_in_requests():
+    """Each split is priced with its own KV grouping, so its blocks differ in size and a request
+    takes another number of them: 300 blocks of which a request takes 100 hold 2 requests at
+    once (one block is the pool's null block), 250 of which it takes 60 hold 4."""
+    many_blocks, more_requests = cand(300, 9.0, (2, 4), per=100), cand(250, 10.0, (3, 3), per=60)
+    assert select([many_blocks, more_requests], "pool").partition == (3, 3)
+    assert not holds(many_blocks, 3) and holds(more_requests, 4) and not holds(more_requests, 5)
+    # "speed" asked for 4 requests at once: only the slower split holds them
+    assert select([many_blocks, more_requests], "speed", 4).partition == (3, 3)
+    # asked for 2: both hold them (201 and 121 blocks, with 3% to spare): the faster wins
+    assert select([many_blocks, more_requests], "speed", 2).partition == (2, 4)
 
 
 def test_pool_takes_the_fastest_within_one_percent_of_the_largest_pool():
@@ -130,10 +145,16 @@ def test_speed_keeps_a_margin_over_what_it_must_hold():
     from vllm_dualgpu.planner.objective import HOLD_MARGIN
 
     assert HOLD_MARGIN == 0.03
-    thin, roomy, roomier = cand(101, 9.0, (1, 5)), cand(103, 10.0, (2, 4)), cand(150, 11.0, (3, 3))
-    # one request needs 100 blocks: 101 is within 3%, 103 is not
-    assert select([thin, roomy, roomier], "speed", 0, one_blocks=100).partition == (2, 4)
-    assert select([thin], "speed", 0, one_blocks=100).partition == (1, 5)  # nothing with the margin
-    # two requests need 140 blocks (held by 150 only): the margin applies to that need
-    assert select([thin, roomy, roomier], "speed", 140, one_blocks=100).partition == (3, 3)
-    assert select([thin, roomy], "speed", 0).partition == (1, 5)  # no need given: no margin
+    def three(per):
+        return cand(101, 9.0, (1, 5), per), cand(103, 10.0, (2, 4), per), cand(150, 11.0, (3, 3), per)
+
+    # one request needs 99 blocks and the null block: 101 is within 3% of 100, 103 is not; the
+    # 3 sequences asked need 298 blocks, which no split holds
+    thin, roomy, roomier = three(99)
+    assert select([thin, roomy, roomier], "speed", 3).partition == (2, 4)
+    assert select([thin], "speed", 3).partition == (1, 5)  # nothing with the margin
+    # two requests of 70 blocks need 141 blocks (held by 150 only, 145.23 with the margin): the
+    # margin applies to that need
+    thin, roomy, roomier = three(70)
+    assert select([thin, roomy, roomier], "speed", 2).partition == (3, 3)
+    assert select([thin, roomy], "speed", 0).partition == (1, 5)  # nothing asked: no margin
