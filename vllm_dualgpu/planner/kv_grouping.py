@@ -20,7 +20,6 @@ from vllm_dualgpu.planner.formats import cdiv
 from vllm_dualgpu.planner.kv import KVLayout, mamba_blocks, spec_buckets, strided_groups
 
 
-
 def per_rank_grouping(layout: KVLayout, partition, memory, max_model_len: int) -> KVLayout:
     """The grouping the package's KV patches give ``layout``'s layers under the dualgpu executor
     with PP > 1 (patches/kv_cache_utils.choose_grouping, kv-groups-without-padding): among vLLM's
