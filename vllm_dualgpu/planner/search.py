@@ -21,7 +21,7 @@ import json
 import math
 from dataclasses import dataclass, field, replace
 
-from vllm_dualgpu.planner.errors import BadRequest, ContextTooLong, ModelDoesNotFit, PlanError
+from vllm_dualgpu.planner.errors import BadRequest, ContextTooLong, ModelDoesNotFit, PlanError, gib
 from vllm_dualgpu.planner.gpus import GpuFacts
 from vllm_dualgpu.planner.kv import DEFAULT_KERNEL_BLOCK_ALIGNMENT, KVLayout
 from vllm_dualgpu.planner.kv_grouping import SplitGrouping
@@ -294,7 +294,18 @@ class Fit:
             return None
         assert self.requested_max_model_len is not None
         return ContextTooLong(self.largest_max_model_len, self.requested_max_model_len, partition=self.plan.partition,
-                              kv_cache_dtype=self.plan.request.kv_cache_dtype)
+                              kv_cache_dtype=self.plan.request.kv_cache_dtype, hint=_tightest_rank(self.plan))
+
+
+def _tightest_rank(plan: "Plan") -> str:
+    """The rank whose KV room holds the fewest tokens, and what its card keeps free for others
+    (the knob left once the split is the best one): "" when nothing is kept free there."""
+    r = min(plan.ranks, key=lambda x: x.max_context_tokens)
+    if not r.gpu.reserve_bytes:
+        return ""
+    why = {True: "a display is active on it", False: "no display on it"}.get(r.gpu.display, "its display is unknown")
+    return (f"rank {r.rank}, the {r.gpu.name}, holds the fewest tokens and keeps {gib(r.gpu.reserve_bytes)} free "
+            f"for others: {why}; VLLM_DUALGPU_RESERVE sets that")
 
 
 @dataclass
