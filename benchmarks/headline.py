@@ -293,13 +293,13 @@ def timed(llm, ids: list[int], max_tokens: int) -> dict:
     return {"s": s, "tokens": list(out.outputs[0].token_ids), "steps": steps}
 
 
-def decode_at(llm, ids: list[int]) -> dict:
+def decode_at(llm, ids: list[int], tokens: int = DECODE_TOKENS) -> dict:
     """TTFT (cold), then ms per decode step at this context: the same prompt again (prefix-cached)
-    for 1 token and for 1 + DECODE_TOKENS; the difference over the steps it took."""
+    for 1 token and for 1 + ``tokens``; the difference over the steps it took."""
     cold = timed(llm, ids, 1)
     warm1 = timed(llm, ids, 1)
-    run = timed(llm, ids, 1 + DECODE_TOKENS)
-    steps = run["steps"] if run["steps"] else DECODE_TOKENS
+    run = timed(llm, ids, 1 + tokens)
+    steps = run["steps"] if run["steps"] else tokens
     return {"context": len(ids), "ttft_s": round(cold["s"], 3), "cached_ttft_s": round(warm1["s"], 3),
             "decode_ms_per_step": round(1000 * (run["s"] - warm1["s"]) / steps, 3), "decode_steps": steps,
             "decode_tokens": len(run["tokens"]) - 1, "steps_counted": bool(run["steps"])}

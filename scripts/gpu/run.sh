@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks on the GPU machine, results under OUTDIR:
 #
-#     bash scripts/gpu/run.sh OUTDIR [tests] [memory] [soak] [fp8] [headline] [-- PYTEST_ARGS...]
+#     bash scripts/gpu/run.sh OUTDIR [tests] [memory] [soak] [fp8] [headline] [decode] [-- PYTEST_ARGS...]
 #
 # Run from this checkout after staging vLLM (source the staging step's environment first, or name
 # it in STAGING_ENV). Installs this checkout next to vLLM once per source tree (into DUALGPU_SITE,
@@ -17,9 +17,11 @@
 #           GPUs with --virtual none; all arms take hours: start it with setsid nohup, or pass e.g.
 #           HEADLINE_ARGS="--launchers fp8-mtp --arms plugin"
 #           per call; each call adds its arms to OUTDIR/headline/headline.{json,md})
+#   decode  benchmarks/decode_model.py OUTDIR/decode --budget (STEP_LIMIT - 40) $DECODE_ARGS (issue #26:
+#           per-layer decode times on one GPU; the same call again resumes where the budget stopped it)
 # Each step ends its own processes (gpu_harness.stop_group, also on STEP_LIMIT's SIGTERM). Exit 1 if a step failed.
 set -uo pipefail
-OUTDIR=${1:?usage: run.sh OUTDIR [tests] [memory] [soak] [fp8] [headline] [-- PYTEST_ARGS...]}
+OUTDIR=${1:?usage: run.sh OUTDIR [tests] [memory] [soak] [fp8] [headline] [decode] [-- PYTEST_ARGS...]}
 shift
 steps=() pytest_args=()
 while [ $# -gt 0 ]; do
@@ -57,7 +59,10 @@ for step in "${steps[@]}"; do
     # shellcheck disable=SC2086  # HEADLINE_ARGS is a list of options
     headline) timeout -k 10 "${STEP_LIMIT:-9000}" python3 benchmarks/headline.py "$OUTDIR/headline" \
                 ${HEADLINE_ARGS:-}; rc=$? ;;
-    *) echo "unknown step $step (tests, memory, soak, fp8, headline)" >&2; rc=2 ;;
+    # shellcheck disable=SC2086  # DECODE_ARGS is a list of options
+    decode) timeout -k 10 "${STEP_LIMIT:-580}" python3 benchmarks/decode_model.py "$OUTDIR/decode" \
+              --budget $(( ${STEP_LIMIT:-580} - 40 )) ${DECODE_ARGS:-}; rc=$? ;;
+    *) echo "unknown step $step (tests, memory, soak, fp8, headline, decode)" >&2; rc=2 ;;
   esac
   echo "=== $step rc=$rc"
   [ $rc -eq 0 ] || status=1
