@@ -80,7 +80,7 @@ def apply_drafter_backend(vllm_config, capabilities: Iterable[tuple[int, int]]) 
     from vllm_dualgpu.planner.memory import attention_uses_flashinfer, drafter_attention_backend
 
     spec = getattr(vllm_config, "speculative_config", None)
-    if spec is None or getattr(spec, "attention_backend", None) is not None or not hasattr(spec, "attention_backend"):
+    if spec is None or not hasattr(spec, "attention_backend") or spec.attention_backend is not None:
         return None
     target = attention_uses_flashinfer(str(vllm_config.cache_config.cache_dtype), list(capabilities))
     backend = drafter_attention_backend({"method": spec.method}, target)

@@ -32,17 +32,34 @@ def first_profile_pass(worker) -> str:
     with contextlib.suppress(TypeError, ValueError):
         if "randomize_inputs" in inspect.signature(run).parameters:
             kwargs["randomize_inputs"] = getattr(worker, "randomize_dummy_inputs", False)
-    scoped = getattr(worker, "_scoped_allocator_max_split", None)
-    limit = scoped(max_split_size_mb=20) if scoped is not None else contextlib.nullcontext()
     started = time.perf_counter()
-    with limit, _current_config(getattr(worker, "vllm_config", None)):
+    with split_limited(worker), _current_config(getattr(worker, "vllm_config", None)):
         run(**kwargs)
     seconds = time.perf_counter() - started
     peak = torch.cuda.max_memory_allocated(worker.device) if torch.cuda.is_available() else 0
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
     return (f"a first profile pass before vLLM's measured one ({seconds:.1f} s, torch's peak "
             f"{peak / GiB:.2f} GiB: a first boot compiles and autotunes there)")
+
+
+@contextlib.contextmanager
+def split_limited(worker):
+    """Run a profile pass under vLLM's allocator split limit (vLLM 0.33's
+    ``_scoped_allocator_max_split``, 20 MiB: the smallest PyTorch allows, the one vLLM uses for its
+    measured profile), then give torch's wholly free segments back to the card (``empty_cache``).
+
+    Without the limit, small blocks carved out of multi-GiB blocks freed during the pass pin those
+    segments: a rank held to its card then failed to allocate its KV cache with GiBs "reserved by
+    PyTorch but unallocated". Yields a note for the log: "" on a vLLM without the limit."""
+    scoped = getattr(worker, "_scoped_allocator_max_split", None)
+    try:
+        if scoped is None:
+            yield ""
+        else:
+            with scoped(max_split_size_mb=20):
+                yield ", profile pass under the allocator split limit (max_split_size_mb 20)"
+    finally:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def _current_config(vllm_config):

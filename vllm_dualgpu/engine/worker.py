@@ -216,24 +216,11 @@ class DualGpuWorker(Worker):
         return available
 
     def _set_kv_size_pass(self) -> tuple[int, str]:
-        """vLLM's pass for a set KV size, under the allocator split limit vLLM applies only to its
-        measured profile; then torch's wholly free segments go back to the card.
-
-        Without the limit, small blocks carved out of multi-GiB blocks freed during the pass pin
-        those segments: a rank held to its card then failed to allocate its KV cache with GiBs
-        "reserved by PyTorch but unallocated". Returns vLLM's KV bytes and a note for the log
-        (empty on a vLLM without ``_scoped_allocator_max_split``).
-        """
-        scoped = getattr(self, "_scoped_allocator_max_split", None)
-        if scoped is None:
-            available, split = super().determine_available_memory(), ""
-        else:
-            # 20 MiB: the smallest limit PyTorch allows, the one vLLM uses.
-            with scoped(max_split_size_mb=20):
-                available = super().determine_available_memory()
-            split = ", profile pass under the allocator split limit (max_split_size_mb 20)"
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        """vLLM's pass for a set KV size under the allocator split limit, which vLLM applies only
+        to its measured profile (profile_pass.split_limited). Returns vLLM's KV bytes and a note
+        for the log."""
+        with profile_pass.split_limited(self) as split:
+            available = super().determine_available_memory()
         return available, split
 
     def _warm_pp_communicators(self) -> None:

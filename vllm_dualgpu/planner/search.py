@@ -962,7 +962,8 @@ def _make_plan(ctx: _Context, c: _Candidate, max_model_len: int, decode_tokens: 
         )
     if ctx.drafter_backend and not (ctx.request.speculative or {}).get("attention_backend"):
         notes.append(f"the drafter's attention runs on {ctx.drafter_backend} (its window layers are a KV group of "
-                     "their own; on FlashInfer the last rank would hold a second 394 MiB workspace)")
+                     f"their own; on FlashInfer the last rank would hold a second "
+                     f"{ctx.request.memory.flashinfer_workspace_bytes / MIB:.0f} MiB workspace)")
     if auto_fit:
         notes.append(f"--max-model-len auto: {max_model_len:,} is the largest that fits")
     kv_max = c.max_ctx
