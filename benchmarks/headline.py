@@ -142,7 +142,8 @@ class Arm:
 
     @property
     def file(self) -> str:
-        return self.name.replace("/", "_")
+        """The arm's file name: its name in letters, digits, '_', '-' ("w8a16-dflash2_plugin-at-241664")."""
+        return self.name.replace("/", "_").replace("@", "-at-")
 
 
 def virtual_cards(spec: str | None) -> list[float] | None:

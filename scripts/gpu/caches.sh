@@ -10,7 +10,8 @@
 # later machine with the same GPU and vLLM reuses them. save packs FlashInfer's JIT cache, Triton's
 # cache, vLLM's cache root (torch_compile_cache) and Inductor's folder, in gzip parts of at most
 # PART_MIB (default 15; gzip because the GPU machines have no zstd); if they come to more than
-# CACHES_MAX_MIB (default 90: more than one call can carry, so carry the parts in two calls),
+# CACHES_MAX_MIB (default 60: what one GPU call brings back in its files, 64 MiB in all; an 82 MiB
+# save came back without its last two parts),
 # Inductor's folder is left out, then vLLM's, then FlashInfer's last, the builds being the largest
 # saving. load is a no-op without parts; it also reads zstd parts where zstd is installed.
 set -euo pipefail
@@ -20,7 +21,7 @@ TRITON=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
 VLLM_ROOT=${VLLM_CACHE_ROOT:-$HOME/.cache/vllm}
 INDUCTOR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/torchinductor_$(id -un)}
 FLASHINFER=${FLASHINFER_WORKSPACE_BASE:-$HOME}/.cache/flashinfer
-MAX_MIB=${CACHES_MAX_MIB:-90}
+MAX_MIB=${CACHES_MAX_MIB:-60}
 case "$verb" in
   save)
     ext=gz Z=(gzip -6)

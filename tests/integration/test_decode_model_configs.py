@@ -218,3 +218,15 @@ def test_an_arm_the_budget_cuts_is_run_again(tmp_path, device):
     assert dm.main(argv) == 0
     assert device.ran == ["fp8-mtp-p4"]
     assert not list((tmp_path / "out" / "arms").glob("*.json"))
+
+
+def test_an_arm_the_budget_left_unmeasured_is_run_again_while_one_its_own_limit_cut_is_kept():
+    """Seen on the GPU: fp8-mtp-p16 booted in 271 s under a budget-shortened limit, measured no
+    context (all three 'skipped'), and was kept: the next call would never have measured it."""
+    booted_late = {"timed_out": False, "skipped": [64, 32768, 250000], "runs": {}}
+    killed = {"timed_out": True, "skipped": []}
+    whole = {"timed_out": False, "skipped": [], "runs": {"64": [{}]}}
+    assert dm.cut_by_budget(booted_late, left=300, limit=600)
+    assert dm.cut_by_budget(killed, left=300, limit=600)
+    assert not dm.cut_by_budget(whole, left=300, limit=600)
+    assert not dm.cut_by_budget(booted_late, left=900, limit=600)  # its own limit: rerunning gives the same

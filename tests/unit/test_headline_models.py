@@ -62,3 +62,13 @@ def test_dry_run_writes_its_models_under_models(tmp_path, monkeypatch, capsys):
     arms = json.loads(capsys.readouterr().out)
     assert arms and {Path(p).parent for a in arms for p in _paths(hl.Arm(**a))} == {models}
     assert not (out / "models").exists()
+
+
+def test_an_arms_file_name_keeps_to_letters_digits_dash_and_underscore():
+    """A shorter-context arm is named "plugin@N"; its files must not carry the '@' (file tools and
+    result transfers refuse odd characters in names)."""
+    import re
+
+    arm = hl.Arm("w8a16-dflash2/plugin@241664", "plugin", "w8a16-dflash2", {}, {})
+    assert arm.file == "w8a16-dflash2_plugin-at-241664"
+    assert re.fullmatch(r"[A-Za-z0-9_.-]+", arm.file)

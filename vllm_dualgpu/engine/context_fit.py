@@ -23,7 +23,9 @@ def _size(n: int) -> str:
 def per_rank_max_len(vllm_config, kv_cache_specs, available: list[int]) -> list[int | None]:
     """vLLM's estimate of the longest request each rank's KV budget holds (None: no KV).
 
-    The groups are vLLM's for the whole model; each release's estimators are called through
+    The groups are the ones vLLM's run-time planning forms with every rank's layers and memory
+    known (``vllm_kv.groups_for_ranks``: the package's grouping patches act there, as in the
+    allocation; vLLM's grouping where they are not applied); each release's estimators are called through
     :mod:`vllm_dualgpu.engine.vllm_kv` (0.32 changed the block-size helper, 0.33 moved
     them to ``kv_cache_planning`` behind the platform's KV config builder).
     """
@@ -35,7 +37,7 @@ def _per_rank(vllm_config, kv_cache_specs, available: list[int]) -> list[tuple[i
     functions; the block's tokens are the rank's KV specs' (the config's block size can differ)."""
     from vllm_dualgpu.engine import vllm_kv as kv
 
-    groups = kv.model_kv_cache_groups(vllm_config, kv_cache_specs)
+    groups = kv.groups_for_ranks(vllm_config, kv_cache_specs, available)
     out: list[tuple[int | None, int, int]] = []
     for specs, mem in zip(kv_cache_specs, available):
         projected = kv.project_groups(groups, specs)

@@ -90,7 +90,8 @@ def test_the_largest_length_it_reports_is_what_the_allocation_accepts(split_15_4
 def test_attention_layers_of_two_backends_do_not_group(applied, kv_layout):  # noqa: F811
     """The headline's refusal, reproduced: rank 0's attention layers carry FlashInfer's block
     alignment (a multiple of 64), rank 1's FlashAttention's (none). vLLM keeps them in separate
-    buckets, groups the 65 layers in threes, and the same memory holds a fraction of the tokens.
+    buckets, groups the 65 layers in threes (vLLM's grouping), and the same memory holds a fraction
+    of the tokens.
     Hence one backend on every rank (engine/attention_backend.py)."""
     from vllm.v1.kv_cache_interface import AttentionSpec
 
@@ -113,7 +114,58 @@ def test_attention_layers_of_two_backends_do_not_group(applied, kv_layout):  # n
     two_backends = per_rank_max_len(cfg, mixed, memory)
     assert len(kv.model_kv_cache_groups(cfg, flashinfer)) == 4
     assert len(kv.model_kv_cache_groups(cfg, mixed)) > 4
-    # Rank 0 (3 attention + 12 GDN layers): 4 pages a block and one attention group with one
-    # backend; 3 pages a block and 6 attention groups a request with two.
+    # Rank 0 (3 attention + 12 GDN layers) holds at most half the tokens with two backends, under
+    # the groups the allocation uses (the package's grouping: the check prices those)
     assert one_backend[0] < 4096
-    assert two_backends[0] * 3 < one_backend[0], (one_backend, two_backends)
+    assert two_backends[0] * 2 <= one_backend[0], (one_backend, two_backends)
+
+
+def uneven_hybrid_dflash(first: int):
+    """The same 64 layers with a DFlash-like drafter in place of the MTP layer: 5 sliding-window
+    attention layers on the last rank (a spec of their own, the target's page). vLLM's own
+    grouping then cuts every bucket into groups of 5 (the drafter's bucket) and pads the 16
+    attention layers to 20; the package's grouping (kv-groups-without-padding) does not."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    ranks, bs = uneven_hybrid(first)
+    del ranks[1]["mtp.layers.0.attn"]
+    window = SlidingWindowSpec(block_size=bs, num_kv_heads=2, head_size=64, dtype=torch.bfloat16,
+                               sliding_window=512)
+    for i in range(5):
+        ranks[1][f"drafter.layers.{i}.attn"] = window
+    return ranks, bs
+
+
+def test_with_a_dflash_drafter_the_check_prices_the_allocations_groups(applied, kv_layout):  # noqa: F811
+    """Seen on the virtual pair (W8A16 + DFlash2 at 19/45, vLLM 0.33): the check refused 241,664
+    tokens, "rank 1 has room for 143,376 tokens ... 16.1 MiB a block", pricing vLLM's own grouping
+    (groups of 5, 15 groups), while the allocation, under the package's grouping, held the plan's
+    pool. The check must price the groups the allocation uses."""
+    from vllm_dualgpu.engine.context_fit import check_context_fits, per_rank_max_len
+    from vllm_dualgpu.engine import vllm_kv as kv
+    from vllm_dualgpu.patches.kv_cache_utils import pool_bytes_per_block
+
+    applied("kv-groups-know-ranks")
+    applied("kv-groups-without-padding")
+    cfg = kv_layout["dualgpu"]
+    ranks, bs = uneven_hybrid_dflash(19)
+    probe = allocation(cfg, ranks, [2**34, 2**34])
+    stock = kv.model_kv_cache_groups(cfg, [dict(r) for r in ranks])
+    assert len(probe[0].kv_cache_groups) != len(stock)  # the package's grouping is not vLLM's here
+    per_block = [pool_bytes_per_block(cfg, c.kv_cache_groups) for c in probe]
+
+    def accepted(blocks: int) -> bool:
+        try:
+            allocation(cfg, ranks, [blocks * b for b in per_block])
+        except ValueError:
+            return False
+        return True
+
+    lo, hi = 1, 4096  # the fewest blocks a rank at which vLLM's allocation accepts max_model_len
+    assert accepted(hi) and not accepted(lo)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if accepted(mid) else (mid, hi)
+    memory = [hi * b for b in per_block]
+    check_context_fits(cfg, [dict(r) for r in ranks], memory)
+    assert min(per_rank_max_len(cfg, [dict(r) for r in ranks], memory)) >= cfg.model_config.max_model_len
