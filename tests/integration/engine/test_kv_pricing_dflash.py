@@ -83,7 +83,9 @@ def test_dflash_on_the_hybrid_plan_and_executor_agree(headline_config, caplog):
 
 
 def test_the_run_time_planning_gives_the_plans_blocks(headline_config):
-    """What EngineCore's (patched) get_kv_cache_configs gives the plan's split and KV memory."""
+    """What EngineCore's (patched) get_kv_cache_configs gives the plan's split and KV memory, and
+    the executor's context-fit check agrees."""
+    from vllm_dualgpu.engine.context_fit import check_context_fits, per_rank_max_len
     from vllm_dualgpu.engine.vllm_kv import pool_bytes_per_block
     from vllm_dualgpu.patches.kv_cache_utils import kv_cache_configs
 
@@ -101,6 +103,10 @@ def test_the_run_time_planning_gives_the_plans_blocks(headline_config):
         mc.max_model_len = plan.max_model_len
         try:
             configs = kv_cache_configs(vc, specs, memory)
+            # and the executor's context-fit check after profiling passes what the allocation holds
+            # (seen on the virtual pair: it priced vLLM's 15 groups and refused the plan's length)
+            check_context_fits(vc, specs, memory)
+            assert min(per_rank_max_len(vc, specs, memory)) >= plan.max_model_len
         finally:
             mc.max_model_len = saved
         bpb = [pool_bytes_per_block(vc, c.kv_cache_groups) for c in configs]
