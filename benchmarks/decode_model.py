@@ -32,14 +32,16 @@ read and copy bandwidth as ``vllm-dualgpu calibrate`` measures them (once per OU
 An arm whose file exists is not run again (delete a failed arm's file to retry it). Not measured
 here: the pipeline hop and a second rank's own per-step cost (PP=1).
 
-Budget: a boot takes ~70-150 s (the first of each layout compiles), the three contexts ~30 s more
-(the 250K prompt's prefill: ~5 s at 4 layers, ~15 s at 16), g16 ~10 s: ~130 s an arm, a set of
-three (one format, one drafter) ~6-7 minutes. In 20 minutes of device time (two calls of
-``run.sh OUTDIR decode``, 540 s each) about 8-9 arms fit, in the default order: fp8 with MTP,
-fp8 without a drafter (the MTP pass by difference), w8a16 with MTP; the rest (w8a16 without,
-nvfp4, bf16) in a later session. ``--budget S`` starts no arm that would end past S seconds (the
-longest arm of the call so far, 150 s before the first; an arm the budget cuts is not kept), so
-each of the device's 10-minute commands stops cleanly and the next, the same command, resumes.
+Budget: measured on the H200 (benchmarks/results/2026-12-02-decode-model): a cold arm boots in
+~250 s, ~107 s of it vLLM's first profile pass (compilation, Triton autotuning), and its three
+contexts take ~15 s more; warm compile caches (scripts/gpu/caches.sh) should cut the boot (not
+yet measured). Two cold arms fit one of the device's 10-minute commands (``run.sh OUTDIR
+decode``, 505 s of budget); a set of three (one format, one drafter) takes two commands. In the
+default order: fp8 with MTP, fp8 without a drafter (the MTP pass by difference), w8a16 with MTP;
+the rest (w8a16 without, nvfp4, bf16) later. ``--budget S`` starts no arm that would end past S
+seconds (the longest arm of the call so far, 280 s before the first); an arm the budget cuts, or
+leaves without a measured context, is not kept, so each command stops cleanly and the next, the
+same command, resumes.
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ DEFAULT_LAYOUTS = ("p4", "p16", "g16")
 CONTEXTS = {"short": hl.SHORT, "32k": hl.MID, "250k": hl.LONG}
 DECODE_TOKENS = 128
 REPEATS = 2
-ARM_LIMIT_S = 300
+ARM_LIMIT_S = 400  # a cold arm took 265 s on the H200 (its boot 252 s)
 FIRST_ARM_S = 280  # --budget's guess at an arm before one has run (a cold boot took 250-270 s)
 UTILIZATION = 0.3  # ~42 GiB of an H200: the largest arm (bf16, 16 layers) with room for 262,144 tokens
 SKIP_KEYS = ("modules_to_not_convert", "ignore", "exclude_modules")  # fp8, w8a16, nvfp4
@@ -134,8 +136,10 @@ class Arm:
 
 
 def arm_kwargs(model: Path, drafter: str) -> dict:
+    # FlashInfer autotune off: the dualgpu executor turns it off for pipeline stages
+    # (kernels/flashinfer.decide_flashinfer_autotune), and the model predicts those runs
     kw = {**hl.common_kwargs(model), "pipeline_parallel_size": 1, "language_model_only": True,
-          "gpu_memory_utilization": UTILIZATION}
+          "gpu_memory_utilization": UTILIZATION, "enable_flashinfer_autotune": False}
     if drafter == "none":
         kw.pop("speculative_config")
     else:

@@ -63,6 +63,8 @@ def test_every_arm_builds_in_vllm_with_the_layers_asked(dry_run, engine_config):
         assert cfg.cache_config.enable_prefix_caching, a["name"]
         assert (cfg.scheduler_config.max_num_seqs, cfg.scheduler_config.max_num_batched_tokens) == (2, 1024)
         assert cfg.model_config.multimodal_config.language_model_only, a["name"]
+        # the kernels the dualgpu executor's pipeline stages run: FlashInfer autotune off
+        assert cfg.kernel_config.enable_flashinfer_autotune is False, a["name"]
         spec = cfg.speculative_config
         if a["drafter"] == "mtp":
             assert (spec.method, spec.num_speculative_tokens) == ("mtp", 3), a["name"]
@@ -191,10 +193,12 @@ def device(monkeypatch):
 
 
 def test_a_call_stops_at_its_budget_and_the_next_resumes(tmp_path, device):
-    """250 s of budget, 100 s an arm: two arms start (the third would end past 250 s); the same
-    command again runs the third only."""
+    """290 s of budget, 100 s an arm: the first starts on the guess for a first arm (280 s), the
+    second on the first's 100 s; a third would end past 290 s. The same command again runs the
+    third only."""
+    assert dm.FIRST_ARM_S <= 290
     argv = [str(tmp_path / "out"), "--models", str(tmp_path / "models"), "--formats", "fp8", "--drafters", "mtp",
-            "--contexts", "short", "--budget", "250"]
+            "--contexts", "short", "--budget", "290"]
     assert dm.main(argv) == 0
     assert device.ran == ["fp8-mtp-p4", "fp8-mtp-p16"]
     doc = json.loads((tmp_path / "out" / "decode-model.json").read_text())
@@ -210,11 +214,12 @@ def test_a_call_stops_at_its_budget_and_the_next_resumes(tmp_path, device):
 
 
 def test_an_arm_the_budget_cuts_is_run_again(tmp_path, device):
-    """160 s left and a 300 s limit: the arm runs under 160 s; cut there, it is not kept, and
+    """290 s left and a longer limit: the arm runs under 290 s; cut there, it is not kept, and
     the call stops."""
     device.cut = {"fp8-mtp-p4"}
     argv = [str(tmp_path / "out"), "--models", str(tmp_path / "models"), "--formats", "fp8", "--drafters", "mtp",
-            "--budget", "160"]
+            "--budget", "290"]
+    assert dm.FIRST_ARM_S <= 290 < dm.ARM_LIMIT_S
     assert dm.main(argv) == 0
     assert device.ran == ["fp8-mtp-p4"]
     assert not list((tmp_path / "out" / "arms").glob("*.json"))
