@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 from collections import defaultdict
 from collections.abc import Callable
@@ -178,25 +179,57 @@ def choose_grouping(stock: list, kv_cache_spec: dict, workers: _Workers) -> list
     cost, _, _, best = min(candidates, key=lambda c: (round(c[0], 12), c[1], c[2]))
     if best is not stock:
         stock_cost = candidates[0][0]
+        sizes = [len(g.layer_names) for g in stock]
+        padded = max(sizes) * len(sizes) - sum(sizes)  # vLLM pads every group to one size
         logger.info(
             "vllm-dualgpu: KV cache groups %s instead of vLLM's %s (layers per group); a "
-            "max_model_len request needs %.1f%% instead of %.1f%% of the tightest rank's KV memory",
+            "max_model_len request needs %.1f%% instead of %.1f%% of the tightest rank's KV memory%s",
             [len(g.layer_names) for g in best],
-            [len(g.layer_names) for g in stock],
+            sizes,
             100 * cost,
             100 * stock_cost,
+            (f"; vLLM's warning of {padded} padding layers, if given before, was about its grouping, "
+             "which is not used" if padded else ""),
         )
     return best
+
+
+class _HeldRecords(logging.Filter):
+    """Holds back a logger's records while vLLM forms its own grouping: its "Add N padding
+    layers, may waste at most X% KV cache memory" warning is about that grouping, and misleads
+    where the package's replaces it. :meth:`release` lets them through after all."""
+
+    def __init__(self, logger: logging.Logger):
+        super().__init__()
+        self.logger, self.records = logger, []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.records.append(record)
+        return False
+
+    def release(self) -> None:
+        for record in self.records:
+            self.logger.handle(record)
+        self.records = []
 
 
 def wrap_get_kv_cache_groups_uniform_page_size(original: Callable) -> Callable:
     @functools.wraps(original)
     def _get_kv_cache_groups_uniform_page_size(kv_cache_spec):
-        stock = original(kv_cache_spec)
         workers = _WORKERS.get()
-        if workers is None or len(stock) < 2:
-            return stock
-        return choose_grouping(stock, kv_cache_spec, workers)
+        if workers is None:
+            return original(kv_cache_spec)
+        vllm_logger = logging.getLogger(original.__module__)
+        held = _HeldRecords(vllm_logger)
+        vllm_logger.addFilter(held)
+        try:
+            stock = original(kv_cache_spec)
+        finally:
+            vllm_logger.removeFilter(held)
+        best = stock if len(stock) < 2 else choose_grouping(stock, kv_cache_spec, workers)
+        if best is stock:
+            held.release()  # vLLM's grouping stands, and so does what vLLM said of it
+        return best
 
     return _get_kv_cache_groups_uniform_page_size
 

@@ -169,3 +169,40 @@ def test_with_a_dflash_drafter_the_check_prices_the_allocations_groups(applied, 
     memory = [hi * b for b in per_block]
     check_context_fits(cfg, [dict(r) for r in ranks], memory)
     assert min(per_rank_max_len(cfg, [dict(r) for r in ranks], memory)) >= cfg.model_config.max_model_len
+
+
+def _padding_warnings(caplog) -> list[str]:
+    return [m for m in (r.getMessage() for r in caplog.records) if m.startswith("Add ") and "padding layers" in m]
+
+
+def test_vllms_padding_warning_is_said_only_for_a_grouping_that_pads(applied, kv_layout, caplog):  # noqa: F811
+    """vLLM warns "Add 4 padding layers, may waste at most 25.00% KV cache memory" while forming
+    its own grouping. Where the package's grouping replaces it once every rank's memory is known (a
+    DFlash-like drafter on the hybrid), nothing is padded: forming the groups then says no such
+    thing, and the package's line says that vLLM's earlier warning was about the grouping it
+    replaced. Where vLLM's grouping stays (the MTP case, which pads its GDN layers), so does the
+    warning."""
+    import logging
+
+    from vllm_dualgpu.engine.vllm_kv import groups_for_ranks
+
+    applied("kv-groups-know-ranks")
+    applied("kv-groups-without-padding")
+    cfg = kv_layout["dualgpu"]
+    caplog.set_level(logging.INFO)
+    for name in ("vllm", "vllm.dualgpu"):
+        logging.getLogger(name).propagate = True
+    ranks, _ = uneven_hybrid_dflash(19)
+    groups = groups_for_ranks(cfg, [dict(r) for r in ranks], [2**34, 2**34])
+    said = [r.getMessage() for r in caplog.records if "instead of vLLM's" in r.getMessage()]
+    assert said and "padding" in said[0], said  # replaced, and it says what of vLLM's warning
+    assert not _padding_warnings(caplog), _padding_warnings(caplog)
+    assert len({len(g.layer_names) for g in groups}) > 1  # groups of their own sizes: nothing padded
+
+    caplog.clear()
+    ranks, _ = uneven_hybrid(15)
+    groups = groups_for_ranks(cfg, [dict(r) for r in ranks], [2**34, 2**34])
+    assert not any("instead of vLLM's" in r.getMessage() for r in caplog.records)  # vLLM's kept
+    sizes = [len(g.layer_names) for g in groups]
+    assert max(sizes) * len(sizes) > sum(sizes)  # and it pads (every group is sized for the largest)
+    assert _padding_warnings(caplog)
