@@ -110,7 +110,7 @@ def test_context_moves_the_plugin_and_split_arms_only(tmp_path):
     for name in ("plugin@229376", "split-2@229376", "split-at-expert@229376"):
         assert a[name].kwargs["max_model_len"] == 229_376
     assert a["split-at-expert@229376"].env["VLLM_PP_LAYER_PARTITION"] == "19,45"
-    assert a["plugin@229376"].file == "w8a16-dflash2_plugin@229376"
+    assert a["plugin@229376"].file == "w8a16-dflash2_plugin-at-229376"  # no "@" in file names
     assert hl.long_prompt(262_144) == 250_000 and hl.long_prompt(229_376) == 217_232
 
 
