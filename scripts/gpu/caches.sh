@@ -12,8 +12,9 @@
 # PART_MIB (default 15; gzip because the GPU machines have no zstd); if they come to more than
 # CACHES_MAX_MIB (default 60: what one GPU call brings back in its files, 64 MiB in all; an 82 MiB
 # save came back without its last two parts),
-# Inductor's folder is left out, then vLLM's, then FlashInfer's last, the builds being the largest
-# saving. load is a no-op without parts; it also reads zstd parts where zstd is installed.
+# Inductor's folder is left out, then FlashInfer's builds (scripts/gpu/prebuild_flashinfer.py
+# rebuilds them in the background, ~170 s), then vLLM's compile cache last (it took a boot from
+# 318 s to 103 s). load is a no-op without parts; it also reads zstd parts where zstd is installed.
 set -euo pipefail
 verb=${1:?usage: caches.sh save OUTDIR [PART_MIB] | load DIR}
 dir=${2:?usage: caches.sh save OUTDIR [PART_MIB] | load DIR}
@@ -26,7 +27,7 @@ case "$verb" in
   save)
     ext=gz Z=(gzip -6)
     mkdir -p "$dir"
-    sets=("$FLASHINFER $TRITON $VLLM_ROOT $INDUCTOR" "$FLASHINFER $TRITON $VLLM_ROOT" "$FLASHINFER $TRITON" "$TRITON")
+    sets=("$FLASHINFER $TRITON $VLLM_ROOT $INDUCTOR" "$FLASHINFER $TRITON $VLLM_ROOT" "$TRITON $VLLM_ROOT" "$TRITON")
     for set in "${sets[@]}"; do
       # shellcheck disable=SC2086  # a list of folders
       paths=$(for p in $set; do if [ -d "$p" ]; then echo "$p"; fi; done)

@@ -79,23 +79,27 @@ def test_zstd_parts_without_zstd_are_refused_in_one_line(tmp_path):
                                              "install zstd, or save the caches again (saves are gzip now)"]
 
 
-def test_flashinfer_builds_are_kept_first_when_the_caches_are_too_big(tmp_path):
-    """FlashInfer's JIT modules (its attention prefill for fp8 KV, built on first use) took the
-    minutes a headline arm had left (thirteenth session) and were not saved. They are now, and
-    when the caches pass the size limit Inductor's folder and vLLM's go first, never FlashInfer's."""
+def test_vllms_compile_cache_is_kept_before_flashinfers_builds_when_the_caches_are_too_big(tmp_path):
+    """Over the size limit, Inductor's folder goes first, then FlashInfer's JIT builds, and vLLM's
+    compile cache with Triton's stays. Measured: vLLM's compile cache took a W8A16 + DFlash2 boot
+    from 318 s to 103 s (fifteenth session), while FlashInfer's three fp8-KV modules are rebuilt
+    in ~170 s by scripts/gpu/prebuild_flashinfer.py in the background, off the arms' path; an 82
+    MiB save (sixteenth session) did not come back whole."""
     home, inductor, out = tmp_path / "home", tmp_path / "inductor", tmp_path / "out"
     built = home / ".cache" / "flashinfer" / "0.7.2" / "90" / "cached_ops" / "prefill" / "prefill.so"
+    compiled = home / ".cache" / "vllm" / "torch_compile_cache" / "abc" / "rank_0_0" / "model.bin"
     big = inductor / "big.bin"
-    for f, n in ((built, 3000), (home / ".triton" / "cache" / "k.bin", 100), (big, 3 * 2**20)):
+    for f, n in ((built, 5 * 2**19), (compiled, 6 * 10**5), (home / ".triton" / "cache" / "k.bin", 100),
+                 (big, 3 * 2**20)):
         f.parent.mkdir(parents=True, exist_ok=True)
         f.write_bytes(os.urandom(n))
-    original = built.read_bytes()
+    original = compiled.read_bytes()
     saved = run("save", str(out), home=home, inductor=inductor, CACHES_MAX_MIB="1")
     assert saved.returncode == 0, saved.stderr
-    assert "trying less" in saved.stderr and "flashinfer" in saved.stdout
+    assert saved.stderr.count("trying less") == 2, saved.stderr  # all, then without Inductor's
     for d in (home, inductor):
         subprocess.run(["rm", "-rf", str(d)], check=True)
     loaded = run("load", str(out), home=home, inductor=inductor)
     assert loaded.returncode == 0, loaded.stderr
-    assert built.read_bytes() == original and (home / ".triton" / "cache" / "k.bin").exists()
-    assert not big.exists()
+    assert compiled.read_bytes() == original and (home / ".triton" / "cache" / "k.bin").exists()
+    assert not built.exists() and not big.exists()
