@@ -35,8 +35,9 @@ here: the pipeline hop and a second rank's own per-step cost (PP=1).
 Budget: measured on the H200 (benchmarks/results/2026-12-02-decode-model): a cold arm boots in
 ~250 s, ~107 s of it vLLM's first profile pass (compilation, Triton autotuning), and its three
 contexts take ~15 s more; warm compile caches (scripts/gpu/caches.sh) should cut the boot (not
-yet measured). Two cold arms fit one of the device's 10-minute commands (``run.sh OUTDIR
-decode``, 505 s of budget); a set of three (one format, one drafter) takes two commands. In the
+yet measured). One cold arm fits one of the device's 10-minute commands (``run.sh OUTDIR
+decode``, 505 s of budget: after a 265 s arm too little is left for another, as both commands
+of that run found); a set of three (one format, one drafter) takes three commands cold. In the
 default order: fp8 with MTP, fp8 without a drafter (the MTP pass by difference), w8a16 with MTP;
 the rest (w8a16 without, nvfp4, bf16) later. ``--budget S`` starts no arm that would end past S
 seconds (the longest arm of the call so far, 280 s before the first); an arm the budget cuts, or
