@@ -206,3 +206,39 @@ def test_vllms_padding_warning_is_said_only_for_a_grouping_that_pads(applied, kv
     sizes = [len(g.layer_names) for g in groups]
     assert max(sizes) * len(sizes) > sum(sizes)  # and it pads (every group is sized for the largest)
     assert _padding_warnings(caplog)
+
+
+def test_the_check_and_the_allocation_say_the_grouping_once(applied, kv_layout):  # noqa: F811
+    """Seen on the virtual pair (W8A16 + DFlash2 at 19/45, vLLM 0.33): the engine logged "KV cache
+    groups [16, 16, 16, 16, 5] instead of vLLM's ..." twice at the same second, once from the
+    context-fit check (which forms the allocation's groups to price them) and once from the
+    allocation. The allocation says it; the check, which runs just before, does not."""
+    import logging
+
+    from vllm_dualgpu.engine.context_fit import check_context_fits
+
+    class Said(logging.Handler):  # what the package's logger emits, counted once each
+        def __init__(self):
+            super().__init__(logging.DEBUG)
+            self.lines = []
+
+        def emit(self, record):
+            self.lines.append(record.getMessage())
+
+    applied("kv-groups-know-ranks")
+    applied("kv-groups-without-padding")
+    cfg = kv_layout["dualgpu"]
+    ours, said = logging.getLogger("vllm.dualgpu"), Said()
+    level = ours.level
+    ours.addHandler(said)
+    ours.setLevel(logging.INFO)
+    try:
+        ranks, _ = uneven_hybrid_dflash(19)
+        memory = [2**34, 2**34]
+        check_context_fits(cfg, [dict(r) for r in ranks], memory)
+        assert not [m for m in said.lines if "instead of vLLM's" in m]
+        allocation(cfg, ranks, memory)
+    finally:
+        ours.removeHandler(said)
+        ours.setLevel(level)
+    assert len([m for m in said.lines if "instead of vLLM's" in m]) == 1, said.lines
