@@ -286,6 +286,10 @@ class Fit:
     fits: bool
     requested_max_model_len: int | None
     largest_max_model_len: int
+    reserves_to_fit: list[int] | None = None
+    """Where it falls short: what each given GPU (in CUDA order) keeps free such that the requested
+    length fits, the tight card keeping as much as allows it (whole 16 MiB), the others what they
+    keep now; None where nothing kept free on the tight card would make it fit (:func:`fit`)."""
 
     @property
     def error(self) -> ContextTooLong | None:
@@ -294,18 +298,54 @@ class Fit:
             return None
         assert self.requested_max_model_len is not None
         return ContextTooLong(self.largest_max_model_len, self.requested_max_model_len, partition=self.plan.partition,
-                              kv_cache_dtype=self.plan.request.kv_cache_dtype, hint=_tightest_rank(self.plan))
+                              kv_cache_dtype=self.plan.request.kv_cache_dtype,
+                              hint=_tightest_rank(self.plan, self.requested_max_model_len, self.reserves_to_fit))
 
 
-def _tightest_rank(plan: "Plan") -> str:
+def _tightest_rank(plan: "Plan", requested: int | None = None, reserves: list[int] | None = None) -> str:
     """The rank whose KV room holds the fewest tokens, and what its card keeps free for others
-    (the knob left once the split is the best one): "" when nothing is kept free there."""
+    (the knob left once the split is the best one), with the VLLM_DUALGPU_RESERVE value that lets
+    ``requested`` fit where there is one: "" when nothing is kept free there."""
     r = min(plan.ranks, key=lambda x: x.max_context_tokens)
     if not r.gpu.reserve_bytes:
         return ""
     why = {True: "a display is active on it", False: "no display on it"}.get(r.gpu.display, "its display is unknown")
-    return (f"rank {r.rank}, the {r.gpu.name}, holds the fewest tokens and keeps {gib(r.gpu.reserve_bytes)} free "
+    text = (f"rank {r.rank}, the {r.gpu.name}, holds the fewest tokens and keeps {gib(r.gpu.reserve_bytes)} free "
             f"for others: {why}; VLLM_DUALGPU_RESERVE sets that")
+    if reserves is not None and requested is not None:
+        text += f"; {requested:,} fits with VLLM_DUALGPU_RESERVE={','.join(f'{b // _MIB}MiB' for b in reserves)}"
+    return text
+
+
+_MIB = 1 << 20
+_RESERVE_STEP = 16 * _MIB
+
+
+def _reserves_to_fit(model: ModelSpec, gpus: list[GpuFacts], request: PlanRequest, f: Fit, **kw) -> list[int] | None:
+    """:attr:`Fit.reserves_to_fit`: the most the tight card (the rank of ``f.plan`` that holds the
+    fewest tokens) can keep free, in whole 16 MiB, with ``request`` still fitting, found by
+    bisection (a card keeping less never holds fewer tokens); the other cards unchanged."""
+    tight = min(f.plan.ranks, key=lambda x: x.max_context_tokens).gpu
+    at = next((i for i, g in enumerate(gpus) if g.index == tight.index), None)
+    if at is None or tight.reserve_bytes < _RESERVE_STEP:
+        return None
+
+    def keeping(steps: int) -> list[GpuFacts]:
+        return [replace(g, reserve_bytes=steps * _RESERVE_STEP) if i == at else g for i, g in enumerate(gpus)]
+
+    def fits(steps: int) -> bool:
+        try:
+            return _fit_once(model, keeping(steps), request, pool_too=False, **kw)[0].fits
+        except PlanError:
+            return False
+
+    lo, hi = 0, tight.reserve_bytes // _RESERVE_STEP  # fits at lo, not at hi (the request as given)
+    if not fits(lo):
+        return None
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return [g.reserve_bytes for g in sorted(keeping(lo), key=lambda g: g.index)]
 
 
 @dataclass
@@ -725,6 +765,9 @@ def fit(
     f, alt = _fit_once(model, gpus, request, kv_layout=kv_layout, kv_groupings=kv_groupings,
                        _check_stock=_check_stock, pool_too=alone)
     p = f.plan
+    if not f.fits and f.requested_max_model_len is not None and not p.passthrough:
+        f = replace(f, reserves_to_fit=_reserves_to_fit(model, gpus, request, f, kv_layout=kv_layout,
+                                                        kv_groupings=kv_groupings, _check_stock=_check_stock))
     if f.fits and p.objective == "speed" and not p.passthrough and len(p.partition) > 1:
         if alt is None:
             alt, _ = _fit_once(model, gpus, replace(request, objective="pool"), _check_stock=_check_stock)

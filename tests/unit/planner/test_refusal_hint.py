@@ -5,6 +5,7 @@ reference pair, where the RTX 5090 keeps 1 GiB free for its display)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from vllm_dualgpu import planner as P
@@ -39,3 +40,38 @@ def test_a_card_of_unknown_display_says_so():
     """Offline, a card without display= keeps 1 GiB, as one with a display."""
     msg = refusal("RTX 5090,RTX 4070 Ti SUPER")
     assert "holds the fewest tokens and keeps 1.00 GiB free for others: its display is unknown;" in msg
+
+
+def named_reserves(msg: str) -> str:
+    m = re.search(r"fits with VLLM_DUALGPU_RESERVE=(\S+?)[;)]", msg)
+    assert m, msg
+    return m.group(1)
+
+
+def test_the_refusal_names_the_reserve_that_would_fit_and_it_does(monkeypatch):
+    """Where the tight card keeps memory free, the refusal says how much less kept free there
+    lets the requested length fit, as the VLLM_DUALGPU_RESERVE value (one size per card, in
+    CUDA order); planned again with it, the length fits, and with 32 MiB more kept free it does not."""
+    pair = "RTX 5090:display=yes,RTX 4070 Ti SUPER:display=no"
+    value = named_reserves(refusal(pair))
+    sizes = value.split(",")
+    assert len(sizes) == 2 and sizes[1] == "256MiB"  # the headless card keeps what it kept
+    kept = int(sizes[0].removesuffix("MiB"))
+    assert 0 < kept < 1024
+    model = P.ModelSpec.from_hf_config(P.reference_config(), weight_format="int8")
+    from vllm_dualgpu.cli.inputs import with_default_reserves
+    from vllm_dualgpu.patching.runtime import runtime_assumptions
+
+    req = P.PlanRequest(max_model_len=262_144, kv_cache_dtype="fp8", max_num_seqs=2, max_num_batched_tokens=1024,
+                        speculative={"method": "dflash", "num_speculative_tokens": 7, "draft_config": DRAFTER},
+                        enable_prefix_caching=True, **runtime_assumptions().request_fields())
+    monkeypatch.setenv("VLLM_DUALGPU_RESERVE", value)
+    assert P.fit(model, with_default_reserves(P.parse_gpus(pair), pair), req).fits
+    monkeypatch.setenv("VLLM_DUALGPU_RESERVE", f"{kept + 32}MiB,256MiB")
+    assert not P.fit(model, with_default_reserves(P.parse_gpus(pair), pair), req).fits
+
+
+def test_no_reserve_is_named_where_none_would_fit():
+    """Cards that cannot hold the length whatever they keep free get no such advice."""
+    msg = refusal("RTX 4070 Ti SUPER:display=yes,RTX 5090:30GiB:display=yes")  # 163,152 at 1 GiB kept free
+    assert "fits with VLLM_DUALGPU_RESERVE=" not in msg
