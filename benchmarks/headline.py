@@ -142,8 +142,8 @@ class Arm:
 
     @property
     def file(self) -> str:
-        """The arm's file name: its name in letters, digits, '_', '-' ("w8a16-dflash2_plugin-at-241664")."""
-        return self.name.replace("/", "_").replace("@", "-at-")
+        """The arm's file name: its name in letters, digits, '.', '_', '-' ("w8a16-dflash2_plugin-at-241664")."""
+        return re.sub(r"[^A-Za-z0-9._-]", "-", self.name.replace("/", "_").replace("@", "-at-"))
 
 
 def virtual_cards(spec: str | None) -> list[float] | None:
@@ -212,13 +212,15 @@ def expert_kwargs(launcher: str, base: dict) -> dict:
 
 def arm_specs(launcher: str, model: Path, *, total_gib: float, drafter: Path | None = None,
               chosen: list[int] | None = None, free_gib: list[float] = FREE,
-              virtual: str | None = None, context: int = MAX_MODEL_LEN) -> list[Arm]:
+              virtual: str | None = None, context: int = MAX_MODEL_LEN, reserve: str | None = None) -> list[Arm]:
     """Every arm of one launcher, in run order. ``chosen``: the plugin's split (arm 2's plan);
     without it the split arms are left out. ``virtual``: the --virtual spec (None: two GPUs).
     ``context``: the plugin's and split arms' --max-model-len (``--context``); other than 262,144
-    their names say it ("plugin@229376"). The expert keeps its own 262,144."""
+    their names say it ("plugin@229376"). The expert keeps its own 262,144. ``reserve``
+    (``--reserve``): VLLM_DUALGPU_RESERVE for the plugin and split arms, named in theirs too."""
     base = common_kwargs(model, launcher, drafter)
-    at = "" if context == MAX_MODEL_LEN else f"@{context}"
+    at = plugin_suffix(context, reserve)
+    kept = {"VLLM_DUALGPU_RESERVE": reserve} if reserve else {}
     order = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
     stock = {**base, "distributed_executor_backend": "mp"}
     arms = []
@@ -229,7 +231,7 @@ def arm_specs(launcher: str, model: Path, *, total_gib: float, drafter: Path | N
     arms.append(Arm(f"{launcher}/expert", "expert", launcher, expert_kwargs(launcher, base),
                     expert_env(launcher, virtual)))
     plugin = {**base, "distributed_executor_backend": "dualgpu", "max_model_len": context}
-    arms.append(Arm(f"{launcher}/plugin{at}", "plugin", launcher, dict(plugin), pair_env(virtual)))
+    arms.append(Arm(f"{launcher}/plugin{at}", "plugin", launcher, dict(plugin), {**pair_env(virtual), **kept}))
     expert_split = EXPERT[launcher]["partition"]
     if chosen:
         named = {chosen[0] + d: f"split{d:+d}" for d in SPLIT_STEPS}
@@ -237,7 +239,8 @@ def arm_specs(launcher: str, model: Path, *, total_gib: float, drafter: Path | N
         for first, label in named.items():  # the expert's split: the plugin's per-step cost on it
             if 0 < first < NUM_LAYERS and first != chosen[0]:
                 arms.append(Arm(f"{launcher}/{label}{at}", "split", launcher, dict(plugin),
-                                {**pair_env(virtual), "VLLM_PP_LAYER_PARTITION": f"{first},{NUM_LAYERS - first}"}))
+                                {**pair_env(virtual), **kept,
+                                 "VLLM_PP_LAYER_PARTITION": f"{first},{NUM_LAYERS - first}"}))
     return arms
 
 
@@ -607,16 +610,22 @@ def gpu_total_gib(count: int = 2) -> float:
                for i in range(count)) / GiB
 
 
-def plugin_split(out: Path, launcher: str, context: int = MAX_MODEL_LEN) -> list[int] | None:
+def plugin_suffix(context: int = MAX_MODEL_LEN, reserve: str | None = None) -> str:
+    """What the plugin and split arms' names add: "@N" for another --max-model-len than 262,144,
+    "-reserve-S" for a --reserve."""
+    return ("" if context == MAX_MODEL_LEN else f"@{context}") + (f"-reserve-{reserve}" if reserve else "")
+
+
+def plugin_split(out: Path, launcher: str, context: int = MAX_MODEL_LEN, reserve: str | None = None) -> list[int] | None:
     """Arm 2's split, from its result file (this run's or an earlier call's)."""
-    at = "" if context == MAX_MODEL_LEN else f"@{context}"
-    f = out / "arms" / f"{launcher}_plugin{at}.json"
+    at = plugin_suffix(context, reserve)
+    f = out / "arms" / f"{Arm(f'{launcher}/plugin{at}', 'plugin', launcher, {}, {}).file}.json"
     return json.loads(f.read_text()).get("partition") if f.exists() else None
 
 
 def run_launcher(launcher: str, out: Path, kinds: set[str], total: float, virtual: str | None,
                  limits: dict[str, int] = ARM_LIMIT_S, *, models: Path, context: int = MAX_MODEL_LEN,
-                 parts: tuple[str, ...] = MEASURES) -> None:
+                 parts: tuple[str, ...] = MEASURES, reserve: str | None = None) -> None:
     """The arms of ``kinds`` for one launcher, in order; stock stops at the first boot. The model
     folders under ``models`` (``--models``); ``parts``: what the expert and plugin arms measure
     (``--measures``; the split arms measure SPLIT_MEASURES of them)."""
@@ -626,7 +635,7 @@ def run_launcher(launcher: str, out: Path, kinds: set[str], total: float, virtua
     cards_mib = [round(c * 1024) for c in cards]
     stock_booted = False
     specs = functools.partial(arm_specs, launcher, model, total_gib=total, drafter=drafter, free_gib=cards,
-                              virtual=virtual, context=context)
+                              virtual=virtual, context=context, reserve=reserve)
     for arm in specs():
         if arm.kind not in kinds or (arm.kind == "stock" and stock_booted):
             continue
@@ -636,7 +645,7 @@ def run_launcher(launcher: str, out: Path, kinds: set[str], total: float, virtua
         booted = run_arm(arm, out, job, limit, cards_mib)["booted"]
         stock_booted |= arm.kind == "stock" and booted
         save_all(out)
-    chosen = plugin_split(out, launcher, context)
+    chosen = plugin_split(out, launcher, context, reserve)
     if "split" in kinds and chosen:
         for arm in specs(chosen=chosen):
             if arm.kind == "split":
@@ -820,6 +829,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--context", type=int, default=MAX_MODEL_LEN, metavar="TOKENS",
                     help="the plugin's and split arms' --max-model-len (default %(default)s; the expert keeps "
                          "its own); for a launcher the plan says does not hold 262,144: its largest length")
+    ap.add_argument("--reserve", metavar="SIZES",
+                    help="VLLM_DUALGPU_RESERVE for the plugin and split arms, e.g. 256MiB,736MiB (what a refusal "
+                         "names); their names carry it (plugin-reserve-256MiB-736MiB)")
     ap.add_argument("--measures", default=",".join(MEASURES), metavar="LIST",
                     help="what a booted arm measures, in this order: " + ", ".join(MEASURES) + " (default all)")
     ap.add_argument("--dry-run", action="store_true", help="print every arm's arguments and environment")
@@ -836,6 +848,13 @@ def main() -> int:
         ap.error(f"unknown launcher(s) {unknown}; use {', '.join(LAUNCHERS)}")
     kinds = set(filter(None, args.arms.split(",")))
     virtual = None if args.virtual.lower() in ("", "none") else args.virtual
+    if args.reserve:
+        from vllm_dualgpu.envs import parse_reserve_sizes
+
+        try:
+            parse_reserve_sizes(args.reserve)
+        except ValueError as e:
+            ap.error(str(e))
     if virtual:
         virtual_cards(virtual)  # a bad spec fails here, with parse_gpus's line
     out = args.outdir.resolve()
@@ -848,11 +867,11 @@ def main() -> int:
         arms = []
         for name in launchers:
             model = reference_model(models, QUANT[name], tokenizer=False)
-            chosen = plugin_split(out, name, args.context) or (
+            chosen = plugin_split(out, name, args.context, args.reserve) or (
                 virtual_split(name, model, drafter, virtual, args.context) if virtual
                 else planned_split(model, FREE, total, [None, None], "pool")["partition"])
             arms += arm_specs(name, model, total_gib=total, drafter=drafter, chosen=chosen, free_gib=cards,
-                              virtual=virtual, context=args.context)
+                              virtual=virtual, context=args.context, reserve=args.reserve)
         print(json.dumps([dataclasses.asdict(a) for a in arms], indent=1))
         return 0
     on_signals_stop_all()
@@ -869,12 +888,14 @@ def main() -> int:
     if virtual:  # one GPU; its total decides the expert's utilization (vLLM's free-memory check)
         total = gpu_total_gib(1)
         for name in launchers:
-            run_launcher(name, out, kinds, total, virtual, limits, models=models, context=args.context, parts=parts)
+            run_launcher(name, out, kinds, total, virtual, limits, models=models, context=args.context, parts=parts,
+                         reserve=args.reserve)
     else:
         total = gpu_total_gib()
         with ballast(FREE, out / "logs"):
             for name in launchers:
-                run_launcher(name, out, kinds, total, None, limits, models=models, context=args.context, parts=parts)
+                run_launcher(name, out, kinds, total, None, limits, models=models, context=args.context, parts=parts,
+                             reserve=args.reserve)
     print(table(save_all(out)))
     return 0
 

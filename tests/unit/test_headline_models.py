@@ -11,6 +11,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import headline as hl  # noqa: E402
@@ -72,3 +74,39 @@ def test_an_arms_file_name_keeps_to_letters_digits_dash_and_underscore():
     arm = hl.Arm("w8a16-dflash2/plugin@241664", "plugin", "w8a16-dflash2", {}, {})
     assert arm.file == "w8a16-dflash2_plugin-at-241664"
     assert re.fullmatch(r"[A-Za-z0-9_.-]+", arm.file)
+
+
+def test_a_later_call_finds_the_plugin_arms_split_at_a_shorter_context(tmp_path):
+    """The split arms start from the plugin arm's split, read from its result file (this call's or
+    an earlier one's): under the file name the arm was written with."""
+    arm = hl.Arm("w8a16-dflash2/plugin@241664", "plugin", "w8a16-dflash2", {}, {})
+    (tmp_path / "arms").mkdir()
+    (tmp_path / "arms" / f"{arm.file}.json").write_text(json.dumps({"partition": [19, 45]}))
+    assert hl.plugin_split(tmp_path, "w8a16-dflash2", 241_664) == [19, 45]
+    assert hl.plugin_split(tmp_path, "w8a16-dflash2") is None  # the 262,144 arm has not run
+
+
+def test_a_reserve_applies_to_the_plugin_and_split_arms_only_and_names_them(tmp_path, monkeypatch, capsys):
+    """--reserve runs the plugin (and the split arms) with VLLM_DUALGPU_RESERVE as a refusal names
+    it; the expert keeps its own flags, and the arms' names (and files) say which reserve ran."""
+    import re
+
+    out, models = tmp_path / "out", tmp_path / "models"
+    monkeypatch.setattr(sys, "argv", ["headline.py", str(out), "--dry-run", "--launchers", "w8a16-dflash2",
+                                      "--arms", "expert,plugin,split", "--models", str(models),
+                                      "--reserve", "256MiB,736MiB"])
+    assert hl.main() == 0
+    arms = {a["name"]: a for a in json.loads(capsys.readouterr().out)}
+    plugin = arms["w8a16-dflash2/plugin-reserve-256MiB,736MiB"]
+    assert plugin["env"]["VLLM_DUALGPU_RESERVE"] == "256MiB,736MiB"
+    assert "VLLM_DUALGPU_RESERVE" not in arms["w8a16-dflash2/expert"]["env"]
+    splits = [a for a in arms.values() if a["kind"] == "split"]
+    assert splits and all(a["env"]["VLLM_DUALGPU_RESERVE"] == "256MiB,736MiB" for a in splits)
+    assert re.fullmatch(r"[A-Za-z0-9_.-]+", hl.Arm(**plugin).file)
+
+
+def test_a_bad_reserve_is_refused_before_anything_runs(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["headline.py", str(tmp_path), "--dry-run", "--reserve", "lots"])
+    with pytest.raises(SystemExit) as e:
+        hl.main()
+    assert e.value.code == 2 and "VLLM_DUALGPU_RESERVE" in capsys.readouterr().err
