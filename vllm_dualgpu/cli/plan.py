@@ -522,7 +522,8 @@ def run(args) -> int:
         return 2 if isinstance(e, P.BadRequest) else 1
 
     try:
-        f = P.fit(model, gpus, req)
+        # with TP stages the cards are stand-ins for groups: no VLLM_DUALGPU_RESERVE value to name
+        f = P.fit(model, gpus, req, reserve_hint=stages is None)
         if f.plan.passthrough:  # one GPU or -pp 1: stock vLLM on the first GPU, which must hold it all
             f = P.fit_stock(model, gpus, req)
     except P.PlanError as e:

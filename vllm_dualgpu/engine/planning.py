@@ -144,10 +144,12 @@ def apply_plan(vllm_config) -> AppliedPlan:
     for note in stages.notes:
         logger.info("vllm-dualgpu: %s", note)
     model, cards, request = stages.model, list(stages.cards), stages.request
-    result = plan_or_explain(model, cards, request)
+    # a refusal names the VLLM_DUALGPU_RESERVE value that fits where the cards are the visible GPUs
+    hint = tp == 1 and len(used) == len(visible)
+    result = plan_or_explain(model, cards, request, reserve_hint=hint)
     # Where vLLM is loaded its own (patched) KV functions price the split: plan and run agree.
-    result, _ = kv_pricing.reprice(
-        vllm_config, result, lambda groupings: plan_or_explain(model, cards, request, kv_groupings=groupings))
+    result, _ = kv_pricing.reprice(vllm_config, result, lambda groupings: plan_or_explain(
+        model, cards, request, kv_groupings=groupings, reserve_hint=hint))
 
     # vLLM's rank r runs on assigned_physical_gpu_ids[r]: the multiprocess executor gives worker
     # r local_rank r (v1/executor/multiproc_executor.py:190 in 0.30.0, :206 in 0.33.0; one
@@ -287,10 +289,10 @@ def _handoff(result, ranked: list[VisibleGpu], user_partition, stages=None,
 CONTEXT_MARGIN = 0.05
 
 
-def plan_or_explain(model, facts, request, kv_groupings=None):
+def plan_or_explain(model, facts, request, kv_groupings=None, reserve_hint: bool = False):
     from vllm_dualgpu.planner import fit
 
-    f = fit(model, facts, request, kv_groupings=kv_groupings)
+    f = fit(model, facts, request, kv_groupings=kv_groupings, reserve_hint=reserve_hint)
     if f.fits:
         return f.plan
     if f.largest_max_model_len < (1 - CONTEXT_MARGIN) * f.requested_max_model_len:

@@ -16,9 +16,11 @@ are enumerated exhaustively with prefix sums (fine for 2-3 ranks up to ~128 laye
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from vllm_dualgpu.planner.errors import BadRequest, ContextTooLong, ModelDoesNotFit, PlanError, gib
@@ -286,10 +288,16 @@ class Fit:
     fits: bool
     requested_max_model_len: int | None
     largest_max_model_len: int
-    reserves_to_fit: list[int] | None = None
-    """Where it falls short: what each given GPU (in CUDA order) keeps free such that the requested
-    length fits, the tight card keeping as much as allows it (whole 16 MiB), the others what they
-    keep now; None where nothing kept free on the tight card would make it fit (:func:`fit`)."""
+    _reserves: Callable[[], list[int] | None] | None = field(default=None, repr=False, compare=False)
+
+    @functools.cached_property
+    def reserves_to_fit(self) -> list[int] | None:
+        """Where it falls short and :func:`fit` was asked for it (``reserve_hint``): what each
+        given GPU (in CUDA order) keeps free such that the requested length fits, the tight card
+        keeping as much as allows it (whole 16 MiB), the others what they keep now; None where
+        nothing kept free on the tight card would make it fit. Worked out when first read (the
+        refusal's message), not for every fit that falls short."""
+        return self._reserves() if self._reserves is not None else None
 
     @property
     def error(self) -> ContextTooLong | None:
@@ -306,7 +314,7 @@ def _tightest_rank(plan: "Plan", requested: int | None = None, reserves: list[in
     """The rank whose KV room holds the fewest tokens, and what its card keeps free for others
     (the knob left once the split is the best one), with the VLLM_DUALGPU_RESERVE value that lets
     ``requested`` fit where there is one: "" when nothing is kept free there."""
-    r = min(plan.ranks, key=lambda x: x.max_context_tokens)
+    r = _tight(plan)
     if not r.gpu.reserve_bytes:
         return ""
     why = {True: "a display is active on it", False: "no display on it"}.get(r.gpu.display, "its display is unknown")
@@ -317,6 +325,11 @@ def _tightest_rank(plan: "Plan", requested: int | None = None, reserves: list[in
     return text
 
 
+def _tight(plan: "Plan") -> "RankPlan":
+    """The rank whose KV room holds the fewest tokens."""
+    return min(plan.ranks, key=lambda x: x.max_context_tokens)
+
+
 _MIB = 1 << 20
 _RESERVE_STEP = 16 * _MIB
 
@@ -325,7 +338,7 @@ def _reserves_to_fit(model: ModelSpec, gpus: list[GpuFacts], request: PlanReques
     """:attr:`Fit.reserves_to_fit`: the most the tight card (the rank of ``f.plan`` that holds the
     fewest tokens) can keep free, in whole 16 MiB, with ``request`` still fitting, found by
     bisection (a card keeping less never holds fewer tokens); the other cards unchanged."""
-    tight = min(f.plan.ranks, key=lambda x: x.max_context_tokens).gpu
+    tight = _tight(f.plan).gpu
     at = next((i for i, g in enumerate(gpus) if g.index == tight.index), None)
     if at is None or tight.reserve_bytes < _RESERVE_STEP:
         return None
@@ -755,19 +768,23 @@ def _fit_or_raise(f: Fit) -> Plan:
 
 def fit(
     model: ModelSpec, gpus: list[GpuFacts], request: PlanRequest | None = None, *,
-    kv_layout: KVLayout | None = None, kv_groupings: dict | None = None, _check_stock: bool = False
+    kv_layout: KVLayout | None = None, kv_groupings: dict | None = None, _check_stock: bool = False,
+    reserve_hint: bool = False,
 ) -> Fit:
     """See :func:`_fit_once`. A plan the "speed" rule chose carries what the "pool" objective
     gives for the same request (``Plan.pool_alternative``, planned as ``vllm-dualgpu plan`` plans
-    it, without ``kv_layout`` or ``kv_groupings``) where that is another split."""
+    it, without ``kv_layout`` or ``kv_groupings``) where that is another split. ``reserve_hint``:
+    ``gpus`` are the visible GPUs, each keeping what VLLM_DUALGPU_RESERVE (or its default) says,
+    so a shortfall's message may name the VLLM_DUALGPU_RESERVE value that fits
+    (:attr:`Fit.reserves_to_fit`); not for TP stage cards or other stand-ins."""
     request = request or PlanRequest()
     alone = kv_layout is None and not kv_groupings  # then the same candidates answer the pool objective
     f, alt = _fit_once(model, gpus, request, kv_layout=kv_layout, kv_groupings=kv_groupings,
                        _check_stock=_check_stock, pool_too=alone)
     p = f.plan
-    if not f.fits and f.requested_max_model_len is not None and not p.passthrough:
-        f = replace(f, reserves_to_fit=_reserves_to_fit(model, gpus, request, f, kv_layout=kv_layout,
-                                                        kv_groupings=kv_groupings, _check_stock=_check_stock))
+    if reserve_hint and not f.fits and f.requested_max_model_len is not None and not p.passthrough:
+        f = replace(f, _reserves=functools.partial(_reserves_to_fit, model, gpus, request, f, kv_layout=kv_layout,
+                                                   kv_groupings=kv_groupings, _check_stock=_check_stock))
     if f.fits and p.objective == "speed" and not p.passthrough and len(p.partition) > 1:
         if alt is None:
             alt, _ = _fit_once(model, gpus, replace(request, objective="pool"), _check_stock=_check_stock)

@@ -53,3 +53,23 @@ def test_just_short_goes_ahead_with_the_largest_and_warns(tiny, caplog, monkeypa
 def test_further_short_raises_context_too_long(tiny):
     with pytest.raises(ContextTooLong, match=r"--max-model-len 2,931 does not fit: the largest that fits is 2,784 \(layer split 1/3\)"):
         plan_or_explain(tiny, PAIR, PlanRequest(max_model_len=2931, memory=ZERO))
+
+
+def test_a_refusal_names_the_reserve_that_fits_where_the_executor_asks_for_it(tiny):
+    """The executor asks for the VLLM_DUALGPU_RESERVE hint where its cards are the visible GPUs
+    (``reserve_hint``); the value it names holds the length, and without the flag none is named."""
+    import dataclasses
+    import re
+
+    kept = [PAIR[0], dataclasses.replace(PAIR[1], free_bytes=8 * MIB + 64 * MIB, reserve_bytes=64 * MIB)]
+    req = PlanRequest(max_model_len=2931, memory=ZERO)
+    with pytest.raises(ContextTooLong) as named:
+        plan_or_explain(tiny, kept, req, reserve_hint=True)
+    m = re.search(r"2,931 fits with VLLM_DUALGPU_RESERVE=0MiB,(\d+)MiB\)$", str(named.value))
+    assert m, str(named.value)
+    assert 0 < int(m.group(1)) < 64
+    again = [PAIR[0], dataclasses.replace(kept[1], reserve_bytes=int(m.group(1)) * MIB)]
+    assert plan_or_explain(tiny, again, req).max_model_len == 2931
+    with pytest.raises(ContextTooLong) as plain:
+        plan_or_explain(tiny, kept, req)
+    assert "fits with VLLM_DUALGPU_RESERVE=" not in str(plain.value)

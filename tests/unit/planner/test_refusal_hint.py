@@ -14,9 +14,9 @@ ROOT = Path(__file__).resolve().parents[3]
 DRAFTER = json.loads((ROOT / "tests" / "fixtures" / "dflash2_drafter_standin.json").read_text())
 
 
-def refusal(gpus: str) -> str:
-    """What `plan` answers for the W8A16 + DFlash2 launcher on ``gpus`` (each card keeping what the
-    executor would keep free on it)."""
+def fitted(gpus: str, reserve_hint: bool = True) -> P.Fit:
+    """`plan`'s question for the W8A16 + DFlash2 launcher at 262,144 on ``gpus`` (each card keeping
+    what the executor would keep free on it: VLLM_DUALGPU_RESERVE, else its display state)."""
     from vllm_dualgpu.cli.inputs import with_default_reserves
     from vllm_dualgpu.patching.runtime import runtime_assumptions
 
@@ -24,7 +24,12 @@ def refusal(gpus: str) -> str:
     req = P.PlanRequest(max_model_len=262_144, kv_cache_dtype="fp8", max_num_seqs=2, max_num_batched_tokens=1024,
                         speculative={"method": "dflash", "num_speculative_tokens": 7, "draft_config": DRAFTER},
                         enable_prefix_caching=True, **runtime_assumptions().request_fields())
-    f = P.fit(model, with_default_reserves(P.parse_gpus(gpus), gpus), req)
+    return P.fit(model, with_default_reserves(P.parse_gpus(gpus), gpus), req, reserve_hint=reserve_hint)
+
+
+def refusal(gpus: str) -> str:
+    """What `plan` answers for the W8A16 + DFlash2 launcher on ``gpus``."""
+    f = fitted(gpus)
     assert not f.fits
     return str(f.error)
 
@@ -58,20 +63,45 @@ def test_the_refusal_names_the_reserve_that_would_fit_and_it_does(monkeypatch):
     assert len(sizes) == 2 and sizes[1] == "256MiB"  # the headless card keeps what it kept
     kept = int(sizes[0].removesuffix("MiB"))
     assert 0 < kept < 1024
-    model = P.ModelSpec.from_hf_config(P.reference_config(), weight_format="int8")
-    from vllm_dualgpu.cli.inputs import with_default_reserves
-    from vllm_dualgpu.patching.runtime import runtime_assumptions
-
-    req = P.PlanRequest(max_model_len=262_144, kv_cache_dtype="fp8", max_num_seqs=2, max_num_batched_tokens=1024,
-                        speculative={"method": "dflash", "num_speculative_tokens": 7, "draft_config": DRAFTER},
-                        enable_prefix_caching=True, **runtime_assumptions().request_fields())
     monkeypatch.setenv("VLLM_DUALGPU_RESERVE", value)
-    assert P.fit(model, with_default_reserves(P.parse_gpus(pair), pair), req).fits
+    assert fitted(pair).fits
     monkeypatch.setenv("VLLM_DUALGPU_RESERVE", f"{kept + 32}MiB,256MiB")
-    assert not P.fit(model, with_default_reserves(P.parse_gpus(pair), pair), req).fits
+    assert not fitted(pair).fits
+
+
+def test_only_a_caller_whose_cards_are_the_visible_gpus_gets_the_reserve_named():
+    """TP stage cards and other stand-ins keep no VLLM_DUALGPU_RESERVE of their own: without
+    ``reserve_hint`` the refusal says what is kept free but names no value."""
+    f = fitted("RTX 5090:display=yes,RTX 4070 Ti SUPER:display=no", reserve_hint=False)
+    assert not f.fits and f.reserves_to_fit is None
+    assert "VLLM_DUALGPU_RESERVE sets that" in str(f.error) and "fits with VLLM_DUALGPU_RESERVE=" not in str(f.error)
 
 
 def test_no_reserve_is_named_where_none_would_fit():
     """Cards that cannot hold the length whatever they keep free get no such advice."""
     msg = refusal("RTX 4070 Ti SUPER:display=yes,RTX 5090:30GiB:display=yes")  # 163,152 at 1 GiB kept free
     assert "fits with VLLM_DUALGPU_RESERVE=" not in msg
+
+
+def test_plan_prints_the_reserve_docs_planner_quotes(write_config):
+    """docs/planner.md quotes `plan`'s refusal for W8A16 + DFlash2 at 262,144 on the reference box;
+    the command, run as a process, names the same VLLM_DUALGPU_RESERVE value."""
+    import os
+    import subprocess
+    import sys
+
+    quoted = re.search(r"262,144 fits with VLLM_DUALGPU_RESERVE=(\S+?)\)",
+                       (ROOT / "docs" / "planner.md").read_text()).group(1)
+    cfg = P.reference_config()
+    cfg.pop("_vllm_dualgpu")
+    target, drafter = write_config(cfg, "target"), write_config(DRAFTER, "drafter")
+    spec = json.dumps({"method": "dflash", "model": str(drafter), "num_speculative_tokens": 7})
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_PP_", "VLLM_DUALGPU_"))}
+    r = subprocess.run([sys.executable, "-m", "vllm_dualgpu.cli", "plan", str(target),
+                        "--gpus", "RTX 5090:display=yes,RTX 4070 Ti SUPER:display=no", "--max-model-len", "262144",
+                        "--kv-cache-dtype", "fp8", "--enable-prefix-caching", "--max-num-seqs", "2",
+                        "--max-num-batched-tokens", "1024", "--speculative-config", spec, "--weight-format", "int8"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 1, r.stderr
+    first = r.stderr.splitlines()[0]
+    assert first.endswith(f"262,144 fits with VLLM_DUALGPU_RESERVE={quoted})"), first
