@@ -142,8 +142,12 @@ class Arm:
 
     @property
     def file(self) -> str:
-        """The arm's file name: its name in letters, digits, '.', '_', '-' ("w8a16-dflash2_plugin-at-241664")."""
-        return re.sub(r"[^A-Za-z0-9._-]", "-", self.name.replace("/", "_").replace("@", "-at-"))
+        return arm_file(self.name)
+
+
+def arm_file(name: str) -> str:
+    """An arm's file name: its name in letters, digits, '.', '_', '-' ("w8a16-dflash2_plugin-at-241664")."""
+    return re.sub(r"[^A-Za-z0-9._-]", "-", name.replace("/", "_").replace("@", "-at-"))
 
 
 def virtual_cards(spec: str | None) -> list[float] | None:
@@ -619,7 +623,7 @@ def plugin_suffix(context: int = MAX_MODEL_LEN, reserve: str | None = None) -> s
 def plugin_split(out: Path, launcher: str, context: int = MAX_MODEL_LEN, reserve: str | None = None) -> list[int] | None:
     """Arm 2's split, from its result file (this run's or an earlier call's)."""
     at = plugin_suffix(context, reserve)
-    f = out / "arms" / f"{Arm(f'{launcher}/plugin{at}', 'plugin', launcher, {}, {}).file}.json"
+    f = out / "arms" / f"{arm_file(f'{launcher}/plugin{at}')}.json"
     return json.loads(f.read_text()).get("partition") if f.exists() else None
 
 

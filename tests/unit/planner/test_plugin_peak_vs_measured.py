@@ -48,21 +48,19 @@ def measured_peaks(launcher: str) -> list[int]:
     return [max(a["peak_mib"][r] for a in arms) for r in range(2)]
 
 
-def planned(launcher: str, tmp: Path) -> dict:
+def planned(launcher: str, write_config) -> dict:
     _, context, fmt, method, _ = ARMS[launcher]
     cfg = P.reference_config()
     cfg.pop("_vllm_dualgpu")
-    (tmp / "target").mkdir()
-    (tmp / "target" / "config.json").write_text(json.dumps(cfg))
+    target = write_config(cfg, "target")
     if method == "dflash":
-        (tmp / "drafter").mkdir()
-        (tmp / "drafter" / "config.json").write_text(DRAFTER.read_text())
-        spec = {"method": "dflash", "model": str(tmp / "drafter"), "num_speculative_tokens": 7}
+        drafter = write_config(json.loads(DRAFTER.read_text()), "drafter")
+        spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 7}
     else:
         spec = {"method": "mtp", "num_speculative_tokens": 3}
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        rc = main(["plan", str(tmp / "target"), "--gpus", PAIR, "--max-model-len", str(context),
+        rc = main(["plan", str(target), "--gpus", PAIR, "--max-model-len", str(context),
                    "--kv-cache-dtype", "fp8", "--enable-prefix-caching", "--max-num-seqs", "2",
                    "--max-num-batched-tokens", "1024", "--speculative-config", json.dumps(spec), *fmt, "--json"])
     assert rc == 0, out.getvalue()
@@ -79,8 +77,8 @@ def whole_run_peak_mib(rank: dict) -> float:
 
 
 @pytest.mark.parametrize("launcher", list(ARMS))
-def test_plan_asks_what_the_executor_asked(launcher, tmp_path):
-    p, r = planned(launcher, tmp_path), ran(launcher)
+def test_plan_asks_what_the_executor_asked(launcher, write_config):
+    p, r = planned(launcher, write_config), ran(launcher)
     assert p["partition"] == r["partition"] and p["num_blocks"] == r["num_blocks"] and p["block_size"] == r["block_size"]
     for mine, theirs in zip(p["ranks"], r["ranks"]):
         assert mine["kv_cache_bytes"] == theirs["kv_cache_bytes"]
@@ -88,8 +86,8 @@ def test_plan_asks_what_the_executor_asked(launcher, tmp_path):
 
 
 @pytest.mark.parametrize("launcher", list(ARMS))
-def test_each_rank_peak_within_3_percent_or_256_mib_and_not_under(launcher, tmp_path):
-    p, got = planned(launcher, tmp_path), measured_peaks(launcher)
+def test_each_rank_peak_within_3_percent_or_256_mib_and_not_under(launcher, write_config):
+    p, got = planned(launcher, write_config), measured_peaks(launcher)
     for rank in ARMS[launcher][4]:
         want = whole_run_peak_mib(p["ranks"][rank])
         assert abs(want - got[rank]) <= max(0.03 * got[rank], 256), (rank, round(want), got[rank])
