@@ -51,6 +51,20 @@ def profiled_vs_predicted(requested: int, available_kv: int, predicted: int | No
             f"({diff / 2**20:+.0f} MiB, {err:+.1f}%)")
 
 
+def pp_receive_bytes(model_runner) -> int:
+    """What a later pipeline stage holds of the batch it receives, at the largest batch: vLLM's
+    ``Worker.execute_model`` receives the previous stage's tensors into new ones
+    (``irecv_tensor_dict``) and keeps them through the step, while the profile pass reads the
+    runner's persistent ``intermediate_tensors``, sized for the largest batch, instead. So the
+    step needs that buffer's size again beside what the profile measured. 0 on the first stage
+    (no buffer)."""
+    buffers = getattr(model_runner, "intermediate_tensors", None)
+    if buffers is None:
+        return 0
+    tensors = getattr(buffers, "tensors", buffers)
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 def _oom_detail(exc: BaseException) -> str:
     m = re.search(r"Tried to allocate [\d.]+ \w+", str(exc))
     return m.group(0) if m else str(exc).split(". ")[0]
@@ -204,6 +218,8 @@ class DualGpuWorker(Worker):
         if first:
             logger.info("vllm-dualgpu rank %d: %s", self.rank, first)
         available = super().determine_available_memory()
+        received = pp_receive_bytes(self.model_runner)
+        available = max(0, available - received)
         weights = _gib(getattr(self.model_runner, "model_memory_usage", 0) or 0)
         record = getattr(self, "_dualgpu_rank", None)
         predicted = record.predicted_non_kv_bytes if record else None
@@ -211,8 +227,10 @@ class DualGpuWorker(Worker):
         rank_summary.note("non-KV", non_kv)
         # Now, not only in the summary after the KV pool: a run refused at the KV check (or one
         # that dies allocating it) still says what each rank's profile found.
-        logger.info("vllm-dualgpu rank %d profiled: weights %s, non-KV %s, KV room %s of a %s budget",
-                    self.rank, weights, non_kv, _gib(available), _gib(self.requested_memory))
+        held = (f" (less {received / 2**20:.0f} MiB for the hidden states it receives, which vLLM's "
+                "profile does not hold)" if received else "")
+        logger.info("vllm-dualgpu rank %d profiled: weights %s, non-KV %s, KV room %s of a %s budget%s",
+                    self.rank, weights, non_kv, _gib(available), _gib(self.requested_memory), held)
         return available
 
     def _set_kv_size_pass(self) -> tuple[int, str]:

@@ -14,6 +14,9 @@ measures at boot (``gpu_worker.determine_available_memory``):
 * CUDA graphs, which vLLM estimates and subtracts (``cudagraph_bytes``; 0 with
   ``--enforce-eager``).
 
+Not in vLLM's profile, but held while serving: on every stage but the first, the batch it
+receives (``pp_receive_bytes``), which the worker also takes out of the KV room it reports.
+
 Calibration (docs/benchmarks.md, 2026-11-30, two H200s with ballast leaving 16 and 32 GiB, a
 14B-class dense Qwen3 with block-FP8 weights, bf16 KV, eager, 16,384 batched tokens, 1,024
 sequences): the activation, workspace and sampler constants below (CUDA context + NCCL 1.4 GiB,
@@ -47,6 +50,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from vllm_dualgpu.planner.formats import dense_format
 from vllm_dualgpu.planner.model import ModelSpec
 
 MIB = 1 << 20
@@ -85,6 +89,10 @@ class MemoryModel:
     pp_comms_pcie_bytes: int = 128 * MIB
     #: a TP group's communicator over PCIe (planner/topology_shard.py): an estimate, not measured
     tp_comms_pcie_bytes: int = 256 * MIB
+    #: tensors a later pipeline stage receives per batch and holds through the step, which vLLM's
+    #: profile does not (``hidden_states`` and ``residual`` for vLLM's decoder models):
+    #: ``pp_receive_bytes``; measured on the virtual pair (2026-12-02, the worker's figure)
+    pp_receive_tensors: int = 2
 
     def context_bytes(self, nvlink: bool) -> int:
         """What a process holds before vLLM's snapshot, by the pair's link."""
@@ -98,6 +106,15 @@ def activation_bytes(model: ModelSpec, num_tokens: int, mm: MemoryModel) -> int:
     """Transient peak of one forward pass over ``num_tokens`` batched tokens."""
     per_token = mm.activation_element_bytes * (4 * model.activation_width + 8 * model.hidden_size)
     return int(num_tokens * per_token)
+
+
+def pp_receive_bytes(model: ModelSpec, num_tokens: int, mm: MemoryModel) -> int:
+    """What a later pipeline stage holds of the batch it receives, beside its forward pass: vLLM
+    0.33's ``Worker.execute_model`` receives ``hidden_states`` and ``residual`` into new tensors and
+    keeps them through the step, which vLLM's profile pass never does (it reads the runner's
+    persistent buffer). ``mm.pp_receive_tensors`` tensors of ``num_tokens`` x the hidden size, in
+    the model's dtype."""
+    return mm.pp_receive_tensors * num_tokens * model.hidden_size * (dense_format(model.dtype).bits // 8)
 
 
 def sampler_bytes(model: ModelSpec, num_seqs: int, mm: MemoryModel) -> int:
@@ -190,6 +207,8 @@ def runtime_reserve(
         parts["sampler"] = sampler_bytes(model, max_num_seqs, mm)
     small = cudagraph_capture_tokens(max_num_seqs, decode_query_len) <= mm.cudagraph_small_max_tokens
     parts["cuda_graphs"] = 0 if enforce_eager else (mm.cudagraph_small_bytes if small else mm.cudagraph_bytes)
+    if not first:  # the batch it receives, held beside its forward pass
+        parts["pp_receive"] = pp_receive_bytes(model, max_num_batched_tokens, mm)
     if not (first and last):  # a pipeline stage: its communicators (middle ranks send and receive)
         if nvlink:
             parts["pp_comms"] = mm.pp_comms_first_bytes if first else mm.pp_comms_last_bytes

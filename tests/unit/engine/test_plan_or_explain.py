@@ -21,7 +21,7 @@ GIB = 1 << 30
 ZERO = MemoryModel(
     cuda_context_bytes=0, workspace_bytes=0, cudagraph_bytes=0, activation_element_bytes=0, sampler_bytes_per_logit=0,
     pp_comms_first_bytes=0, pp_comms_last_bytes=0, pp_comms_pcie_bytes=0, cuda_context_nvlink_bytes=0,
-    cudagraph_small_bytes=0, flashinfer_workspace_bytes=0, tp_comms_pcie_bytes=0,
+    cudagraph_small_bytes=0, flashinfer_workspace_bytes=0, tp_comms_pcie_bytes=0, pp_receive_tensors=0,
 )
 TINY = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 256, "intermediate_size": 512,

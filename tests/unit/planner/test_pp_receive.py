@@ -1,0 +1,42 @@
+"""A later pipeline stage holds the batch it receives beside its own forward pass (vLLM 0.33's
+``Worker.execute_model`` receives ``hidden_states`` and ``residual`` into new tensors and keeps them
+through the step; the profile pass uses the runner's persistent buffer instead). The plan charges
+it to every stage but the first, as the worker takes it out of the KV room
+(tests/integration/engine/test_worker_pp_receive.py): two tensors of the largest batch x the hidden
+size, in the model's dtype. Expected sizes are written out from the config's figures."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from vllm_dualgpu.planner import MemoryModel, ModelSpec, reference_config
+from vllm_dualgpu.planner.memory import runtime_reserve
+
+MIB = 1 << 20
+
+
+def _reserve(model, **kw):
+    base = dict(first=False, last=True, max_num_batched_tokens=1024, max_num_seqs=2, enforce_eager=False,
+                vision=False, mm=MemoryModel())
+    return runtime_reserve(model, **{**base, **kw})
+
+
+def test_a_later_stage_is_charged_the_batch_it_receives():
+    model = ModelSpec.from_hf_config(reference_config(), weight_format="fp8")
+    assert model.hidden_size == 5120 and model.dtype == "bfloat16"
+    # 2 tensors x 1,024 tokens x 5,120 x 2 bytes = 20 MiB (the reference launchers' batch)
+    assert _reserve(model)["pp_receive"] == 20 * MIB
+    assert _reserve(model, first=False, last=False)["pp_receive"] == 20 * MIB  # a middle stage receives too
+    # vLLM's default batch for an LLM on a large card
+    assert _reserve(model, max_num_batched_tokens=8192)["pp_receive"] == 160 * MIB
+
+
+def test_the_first_stage_receives_nothing():
+    model = ModelSpec.from_hf_config(reference_config(), weight_format="fp8")
+    assert "pp_receive" not in _reserve(model, first=True, last=False)
+    assert "pp_receive" not in _reserve(model, first=True, last=True)
+
+
+def test_float32_doubles_it():
+    model = dataclasses.replace(ModelSpec.from_hf_config(reference_config(), weight_format="fp8"), dtype="float32")
+    assert _reserve(model)["pp_receive"] == 40 * MIB
