@@ -44,6 +44,8 @@ class VirtualCard:
     display: bool = False
     """Whether the card presents as driving a display (``display=yes``): it then keeps the
     memory a desktop card keeps free. Default: headless, like the physical data-centre GPU."""
+    physical_capability: tuple[int, int] | None = None
+    """The physical GPU's compute capability."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -51,7 +53,7 @@ class VirtualCard:
     @classmethod
     def from_dict(cls, data: dict) -> VirtualCard:
         d = dict(data)
-        for key in ("capability", "reported_capability"):
+        for key in ("capability", "reported_capability", "physical_capability"):
             if d.get(key) is not None:
                 d[key] = tuple(d[key])
         return cls(**d)
@@ -110,8 +112,34 @@ def parse(spec: str, physical_id: int, physical_name: str, physical_total: int,
             capability=tuple(f.capability) if f.capability else None,
             reported_capability=runnable_capability(f.capability, physical_capability),
             physical_id=physical_id, physical_name=physical_name,
-            physical_total_bytes=physical_total, display=bool(f.display)))
+            physical_total_bytes=physical_total, display=bool(f.display),
+            physical_capability=tuple(physical_capability)))
     return cards
+
+
+def ptx_compile_warning(cards: list[VirtualCard], kv_cache_dtype: str | None, backend: object) -> str | None:
+    """One line for the log when a rank presents an older major capability than the physical GPU
+    and vLLM will pick FlashAttention 2 there (a 16-bit KV cache, no backend chosen); else None.
+
+    vLLM 0.33 ships FlashAttention 2's kernels as SM 8.0 code only (cubins and PTX for sm_80, no
+    sm_90): a real SM 8.x card runs the cubins, an SM 9.0 GPU has the driver compile each kernel
+    from PTX on its first launch, on the CPU, a minute or more a kernel. Measured on one H200
+    (2026-12-02): every first request of a PP=2 server waited on it, with rank 0's thread running and
+    the GPU idle; the same server with ``--attention-backend TRITON_ATTN`` answered in 1.8 s."""
+    if backend is not None or str(kv_cache_dtype or "auto").startswith("fp8"):
+        return None
+    older = [(r, c) for r, c in enumerate(cards)
+             if c.physical_capability and c.reported_capability[0] < c.physical_capability[0]]
+    if not older:
+        return None
+    c0 = older[0][1]
+    pc = c0.physical_capability
+    ranks = ", ".join(f"rank {r} ({c.reported_capability[0]}.{c.reported_capability[1]})" for r, c in older)
+    return (f"{ENV}: {ranks} present an older capability than GPU {c0.physical_id} ({c0.physical_name}, "
+            f"{pc[0]}.{pc[1]}): vLLM runs FlashAttention 2 there for a 16-bit KV cache, whose kernels it "
+            "ships as SM 8.0 code only, so the driver compiles each from PTX on its first launch (a "
+            "minute or more a kernel, on the CPU; the first requests wait). --attention-backend "
+            "TRITON_ATTN avoids it; a real card of that capability runs the kernels as shipped")
 
 
 def substitute(visible: list, spec: str | None):

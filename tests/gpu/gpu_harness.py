@@ -129,6 +129,46 @@ PRECOMPILED_KERNELS = {
 }
 
 
+VIRTUAL_PAIR_ATTENTION = "TRITON_ATTN"
+
+
+def virtual_pair_attention(env: dict | None, chosen: str | None, kv_cache_dtype: str | None) -> str | None:
+    """The attention backend of a child on a virtual pair when the test chose none.
+
+    A rank that presents SM 8.9 on the H200 makes vLLM take FlashAttention 2 for a 16-bit KV cache,
+    and vLLM 0.33's FA2 library ships SM 8.0 code only (cubins and PTX for sm_80): the driver
+    compiles each FA2 kernel from PTX on its first launch, CPU-bound, a minute or more a kernel. On
+    the GPU (2026-12-02) every first request waited on it (rank 0's thread running, the GPU idle)
+    while the same server with TRITON_ATTN answered in 1.8 s. A real SM 8.9 card runs the sm_80
+    cubins as they are, so this is the emulation's cost, not the plugin's: virtual-pair children
+    take Triton attention (DUALGPU_GPU_JIT_KERNELS=1 keeps vLLM's choice). An fp8 KV cache runs
+    FlashInfer there (the executor sets it), and a backend the test chose is kept."""
+    if chosen or os.environ.get(JIT_KERNELS_ENV) == "1":
+        return chosen
+    virtual = (env or {}).get("VLLM_DUALGPU_VIRTUAL_GPUS") or os.environ.get("VLLM_DUALGPU_VIRTUAL_GPUS")
+    if not virtual or str(kv_cache_dtype or "auto").startswith("fp8"):
+        return None
+    return VIRTUAL_PAIR_ATTENTION
+
+
+def with_virtual_pair_attention(engine_kwargs: dict | None, env: dict | None) -> dict | None:
+    """``vllm.LLM``'s arguments with :func:`virtual_pair_attention`'s backend where it names one."""
+    if engine_kwargs is None or engine_kwargs.get("attention_backend"):
+        return engine_kwargs
+    backend = virtual_pair_attention(env, None, engine_kwargs.get("kv_cache_dtype"))
+    return {**engine_kwargs, "attention_backend": backend} if backend else engine_kwargs
+
+
+def _flag(args: list[str], name: str) -> str | None:
+    """The value of ``--name V`` or ``--name=V`` in a command line."""
+    for i, a in enumerate(args):
+        if a == name and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
 def kernel_env() -> dict:
     """The kernel settings every child starts with (an explicit value in its env wins)."""
     return {} if os.environ.get(JIT_KERNELS_ENV) == "1" else dict(PRECOMPILED_KERNELS)
@@ -331,6 +371,7 @@ def run_llm(engine_kwargs: dict | None, job=None, *, log: Path, timeout: float, 
     ``job(llm) -> dict`` there (a module-level function; ``engine_kwargs=None``: ``job(None)``
     without an engine). Returns its dict plus ``boot_s``, or
     ``error`` (what LLM or the job raised), ``timed_out``, ``wall_s`` and ``log``."""
+    engine_kwargs = with_virtual_pair_attention(engine_kwargs, env)
     result = log.with_suffix(".result.json")
     result.unlink(missing_ok=True)
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -371,6 +412,9 @@ class VllmServer:
 
     def __init__(self, model: str, args: list[str], *, log: Path, env: dict | None = None, timeout: float = 300):
         self.model, self.log, self.port = model, log, free_port()
+        backend = virtual_pair_attention(env, _flag(args, "--attention-backend"), _flag(args, "--kv-cache-dtype"))
+        if backend and not _flag(args, "--attention-backend"):
+            args = [*args, "--attention-backend", backend]
         self.cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, *args,
                     "--port", str(self.port)]
         self.env, self.timeout = env, timeout

@@ -22,8 +22,8 @@ ARGS = ["--load-format", "dummy", "--enforce-eager", "--max-model-len", "2048", 
         "--distributed-executor-backend", "dualgpu"]
 
 
-def stream(server: VllmServer, out: dict, key: int, limit: float) -> None:
-    """One streaming completion; out[key]: how it ended and when."""
+def stream(server: VllmServer, out: dict, key: int, limit: float, seen: dict | None = None) -> None:
+    """One streaming completion; out[key]: how it ended and when; seen[key]: chunks so far."""
     t0 = time.time()
     body = {"model": server.model, "prompt": f"count {key}", "max_tokens": 1500, "temperature": 0,
             "ignore_eos": True, "stream": True}
@@ -35,6 +35,8 @@ def stream(server: VllmServer, out: dict, key: int, limit: float) -> None:
             for line in r:
                 if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
                     chunks += 1
+                    if seen is not None:
+                        seen[key] = chunks
                     if b'"error"' in line:
                         out[key] = {"end": "error event", "s": round(time.time() - t0, 1), "chunks": chunks}
                         return
@@ -60,6 +62,19 @@ def alive(pid: int) -> bool:
 
 
 STALL_LIMIT_S = 30
+STREAMING_WITHIN_S = 120  # the first tokens of every stream, before the fault
+
+
+def wait_streaming(seen: dict, n: int, limit: float) -> float | None:
+    """Seconds until each of ``n`` streams has had a token chunk; None if not within ``limit``.
+    The fault comes mid-stream only then: on the virtual pair the eighteenth session found every
+    earlier fault run's streams still waiting for their first token (FlashAttention 2 compiling)."""
+    t0 = time.time()
+    while time.time() - t0 < limit:
+        if len(seen) == n and all(c >= 1 for c in seen.values()):
+            return round(time.time() - t0, 1)
+        time.sleep(0.2)
+    return None
 
 
 def run_fault(model, gpu_out, sig: int, name: str, record_property, bound: float, env: dict | None = None) -> dict:
@@ -68,10 +83,15 @@ def run_fault(model, gpu_out, sig: int, name: str, record_property, bound: float
     with VllmServer(str(model), ARGS, log=log, env={**pair_env(), **(env or {})}, timeout=400) as server:
         pids = worker_pids(log)
         assert len(pids) == 2, f"worker plugin lines: {plugin_lines(log, 'worker')}"
-        threads = [threading.Thread(target=stream, args=(server, results, i, bound + 30), daemon=True) for i in range(4)]
+        seen: dict = {}
+        threads = [threading.Thread(target=stream, args=(server, results, i, bound + STREAMING_WITHIN_S + 30, seen),
+                                    daemon=True) for i in range(4)]
         for t in threads:
             t.start()
-        time.sleep(4.0)  # the requests are streaming
+        streaming_s = wait_streaming(seen, 4, STREAMING_WITHIN_S)
+        assert streaming_s is not None, f"not every stream had a token within {STREAMING_WITHIN_S} s: {seen}"
+        time.sleep(1.0)  # the requests are streaming
+        before = dict(seen)
         t_fault = time.time()
         os.kill(pids[-1], sig)
         health_bad_s = None
@@ -92,7 +112,8 @@ def run_fault(model, gpu_out, sig: int, name: str, record_property, bound: float
             os.kill(pids[-1], signal.SIGCONT)
     # the server's group has been ended by VllmServer's exit
     time.sleep(2.0)
-    rec = {"signal": signal.Signals(sig).name, "requests": ended, "health_bad_after_s": health_bad_s,
+    rec = {"signal": signal.Signals(sig).name, "streaming_after_s": streaming_s, "chunks_before_fault": before,
+           "requests": ended, "health_bad_after_s": health_bad_s,
            "server_exit_code_within_bound": server_exit, "group_left": group_alive(server.proc.pid),
            "workers_left": [p for p in pids if alive(p)], "log_tail": tail(log, 15)}
     record_property(name, {k: v for k, v in rec.items() if k != "log_tail"})

@@ -8,7 +8,8 @@ import pytest
 from vllm_dualgpu.engine import handoff
 from vllm_dualgpu.nvml import VisibleGpu
 from vllm_dualgpu.planner.errors import BadRequest
-from vllm_dualgpu.virtual_gpus import ENV, VirtualCard, nvml_name, parse, runnable_capability, substitute
+from vllm_dualgpu.virtual_gpus import (ENV, VirtualCard, nvml_name, parse, ptx_compile_warning, runnable_capability,
+                                      substitute)
 
 GiB = 1024**3
 H200 = VisibleGpu(3, "NVIDIA H200", 143771 * 2**20, 139 * GiB, (9, 0), 4800.0, "GPU-h200")
@@ -76,3 +77,21 @@ def test_the_card_travels_in_the_hand_off():
     plain = handoff.RankRecord(rank=0, physical_gpu_id=0, gpu_name="x", reserve_bytes=0, cap_bytes=None,
                                num_layers=1, predicted_non_kv_bytes=None)
     assert handoff.RankRecord.from_dict(handoff.Handoff((plain,), None, "even").to_dict()["ranks"][0]) == plain
+
+
+def test_a_rank_presenting_an_older_major_says_its_attention_kernels_compile_on_first_use():
+    """vLLM 0.33's FlashAttention 2 ships sm_80 code only: on the H200 (9.0) a rank presenting 8.9
+    has every FA2 kernel compiled from PTX on first launch (2026-12-02: each first request waited)."""
+    _, cards = substitute([H200], "RTX 4070 Ti SUPER:16GiB,H200:32GiB")
+    assert [c.physical_capability for c in cards] == [(9, 0), (9, 0)]
+    line = ptx_compile_warning(cards, "auto", None)
+    assert line.startswith(f"{ENV}: rank 0 (8.9) present an older capability than GPU 3 (NVIDIA H200, 9.0)")
+    assert "FlashAttention 2" in line and "--attention-backend TRITON_ATTN" in line
+    assert ptx_compile_warning(cards, "bfloat16", None) is not None
+    assert ptx_compile_warning(cards, "fp8", None) is None  # FlashInfer there, not FA2
+    assert ptx_compile_warning(cards, "fp8_e4m3", None) is None
+    assert ptx_compile_warning(cards, "auto", "TRITON_ATTN") is None  # the user chose
+    _, same = substitute([H200], "H200:16GiB,H200:32GiB")
+    assert ptx_compile_warning(same, "auto", None) is None
+    back = VirtualCard.from_dict(cards[0].to_dict())
+    assert back == cards[0] and back.physical_capability == (9, 0)

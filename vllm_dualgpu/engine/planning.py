@@ -160,7 +160,7 @@ def apply_plan(vllm_config) -> AppliedPlan:
     pc.assigned_physical_gpu_ids = [g.physical_id for g in ranked]
     cards = [virtual[card.index] for _, _, card in placed] if virtual else None
     if virtual:
-        _virtual_ranks(pc, cards)
+        _virtual_ranks(vllm_config, cards)
     why = [reserves[card.index].why for _, _, card in placed]  # each rank's card's reason
     record = _handoff(result, ranked, user_partition, stages, cards, why)
     hand_over(vllm_config, record, off="per-rank memory budgets and summary lines",
@@ -236,14 +236,22 @@ def _settings(vllm_config) -> dict:
     return settings
 
 
-def _virtual_ranks(pc, cards) -> None:
+def _virtual_ranks(vllm_config, cards) -> None:
     """Every rank on the one physical GPU: vLLM's custom all-reduce (CUDA IPC between distinct
     GPUs) is off for TP stages, NCCL (its socket transport between the ranks' own host ids,
-    engine/virtual_card.activate) carries everything."""
+    engine/virtual_card.activate) carries everything. Says so when a rank's attention kernels
+    will compile on first use (virtual_gpus.ptx_compile_warning)."""
+    pc = vllm_config.parallel_config
     if pc.tensor_parallel_size > 1 and not pc.disable_custom_all_reduce:
         pc.disable_custom_all_reduce = True
     for rank, c in enumerate(cards):
         logger.info("vllm-dualgpu: virtual GPUs (%s): rank %d is %s", virtual_gpus.ENV, rank, c.describe())
+    attention = getattr(vllm_config, "attention_config", None)
+    cache = getattr(vllm_config, "cache_config", None)
+    line = virtual_gpus.ptx_compile_warning(cards, getattr(cache, "cache_dtype", None),
+                                            getattr(attention, "backend", None))
+    if line:
+        logger.warning("vllm-dualgpu: %s", line)
 
 
 def _handoff(result, ranked: list[VisibleGpu], user_partition, stages=None,

@@ -123,3 +123,18 @@ def test_each_worker_activates_its_own_card(make_config, one_h200, monkeypatch):
         1, "NVIDIA H200", H200_TOTAL, 139 * GiB, (9, 0), 4800.0, "GPU-b")])
     apply.apply_plan(plain)
     assert worker._activate_virtual_card(plain, 0) is None and len(seen) == 2
+
+
+def test_the_executor_says_when_rank_0s_attention_kernels_compile_on_first_use(make_config, one_h200, caplog):
+    """A 16-bit KV cache on the RTX 4070 Ti SUPER's rank (8.9 on the H200): vLLM picks FlashAttention 2,
+    whose kernels the driver compiles from PTX on first launch; with a backend chosen, nothing."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="vllm.dualgpu")
+    logging.getLogger("vllm.dualgpu").propagate = True
+    apply.apply_plan(make_config())
+    warned = [r.getMessage() for r in caplog.records if "compiles each from PTX" in r.getMessage()]
+    assert len(warned) == 1 and "rank 0 (8.9)" in warned[0], warned
+    caplog.clear()
+    apply.apply_plan(make_config(attention_backend="TRITON_ATTN"))
+    assert not [r for r in caplog.records if "compiles each from PTX" in r.getMessage()]

@@ -143,3 +143,32 @@ def test_a_server_left_by_an_error_writes_its_stacks_first(tmp_path):
     assert not group_alive(server.proc.pid)
     text = log.read_text()
     assert "Fatal Python error: Aborted" in text and 'File "<string>", line 1' in text, text
+
+
+def test_virtual_pair_children_take_triton_attention_unless_chosen(monkeypatch):
+    """A rank presenting SM 8.9 on the H200 would run FlashAttention 2, whose sm_80-only kernels the
+    driver compiles from PTX on first use (minutes: every first request waited, 2026-12-02)."""
+    from gpu_harness import VllmServer, with_virtual_pair_attention
+
+    monkeypatch.delenv("VLLM_DUALGPU_VIRTUAL_GPUS", raising=False)
+    monkeypatch.delenv("DUALGPU_GPU_JIT_KERNELS", raising=False)
+    pair = {"VLLM_DUALGPU_VIRTUAL_GPUS": "RTX 4070 Ti SUPER:8GiB,NVIDIA H200:12GiB"}
+    kw = {"model": "m", "pipeline_parallel_size": 2}
+    assert with_virtual_pair_attention(kw, pair)["attention_backend"] == "TRITON_ATTN"
+    assert "attention_backend" not in with_virtual_pair_attention(kw, {})  # a real pair, or stock on one GPU
+    assert "attention_backend" not in with_virtual_pair_attention({**kw, "kv_cache_dtype": "fp8"}, pair)
+    chosen = {**kw, "attention_backend": "FLASHINFER"}
+    assert with_virtual_pair_attention(chosen, pair)["attention_backend"] == "FLASHINFER"
+    assert with_virtual_pair_attention(None, pair) is None
+
+    def cmd(args, env):
+        return VllmServer("m", args, log=None, env=env).cmd
+
+    assert cmd(["--pipeline-parallel-size", "2"], pair)[-4:-2] == ["--attention-backend", "TRITON_ATTN"]
+    assert "--attention-backend" not in cmd(["--pipeline-parallel-size", "2"], {})
+    assert "--attention-backend" not in cmd(["--kv-cache-dtype", "fp8"], pair)
+    assert cmd(["--attention-backend=FLASHINFER"], pair).count("--attention-backend=FLASHINFER") == 1
+    assert "TRITON_ATTN" not in cmd(["--attention-backend=FLASHINFER"], pair)
+    monkeypatch.setenv("DUALGPU_GPU_JIT_KERNELS", "1")  # vLLM's own choice, FA2 and its compile
+    assert "attention_backend" not in with_virtual_pair_attention(kw, pair)
+    assert "--attention-backend" not in cmd([], pair)
