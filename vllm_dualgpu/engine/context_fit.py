@@ -36,9 +36,9 @@ def _per_rank(vllm_config, kv_cache_specs, available: list[int]) -> list[tuple[i
     """(longest request, bytes one block takes, tokens a block holds) per rank, by vLLM's
     functions; the block's tokens are the rank's KV specs' (the config's block size can differ)."""
     from vllm_dualgpu.engine import vllm_kv as kv
-    from vllm_dualgpu.engine.kv_pricing import _quiet
+    from vllm_dualgpu.engine.kv_pricing import quiet_grouping
 
-    with _quiet():  # the allocation, just after, forms the same groups and says so
+    with quiet_grouping():  # the allocation, just after, forms the same groups and says so
         groups = kv.groups_for_ranks(vllm_config, kv_cache_specs, available)
     out: list[tuple[int | None, int, int]] = []
     for specs, mem in zip(kv_cache_specs, available):

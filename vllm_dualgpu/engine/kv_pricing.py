@@ -196,7 +196,7 @@ REHEARSED = ("vllm.v1.core.kv_cache_utils", "vllm.v1.core.kv_cache_planning")
 
 
 @contextlib.contextmanager
-def _quiet():
+def quiet_grouping():
     """What the grouping (the patches' INFO lines, vLLM's own warnings) says here, it says again
     at run time on the real specs; the outcome is logged once below."""
     quieted = [(logger, logging.WARNING)] + [(logging.getLogger(n), logging.ERROR) for n in REHEARSED]
@@ -220,7 +220,7 @@ def reprice(vllm_config, plan, search: Callable) -> tuple[object, VllmPool | Non
 
     mirror = plan.kv
     groupings: dict[tuple, object] = {}
-    with _quiet(), _layout_resolved(vllm_config):
+    with quiet_grouping(), _layout_resolved(vllm_config):
         specs = None
         for round_ in range(MAX_ROUNDS):
             try:

@@ -171,7 +171,7 @@ def test_each_split_gets_the_grouping_vllm_gives_it(headline_config):
     for split in ([4, 60], [8, 56], [12, 52], [21, 43]):
         p = fit(model, gpus, dataclasses.replace(request, layer_partition=split)).plan
         specs = kv_pricing.layer_specs(vc, p.kv)
-        with kv_pricing._quiet(), kv_pricing._layout_resolved(vc):
+        with kv_pricing.quiet_grouping(), kv_pricing._layout_resolved(vc):
             groups = groups_for_ranks(vc, kv_pricing.rank_specs(specs, p.kv, split), p.grouping_budgets())
         assert p.kv.regrouped(kv_pricing.priced_groups(vc, groups)).same_grouping(p.kv), split
         seen.add(len(p.kv.groups))
