@@ -44,7 +44,8 @@ def entries(blob) -> Counter:
 
 def main(paths: list[str]) -> int:
     if not paths:
-        print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
+        usage = next(line.strip() for line in __doc__.splitlines() if "fatbin_archs.py LIBRARY" in line)
+        print(f"usage: {usage}", file=sys.stderr)
         return 2
     for path in paths:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as blob:

@@ -117,29 +117,39 @@ def parse(spec: str, physical_id: int, physical_name: str, physical_total: int,
     return cards
 
 
-def ptx_compile_warning(cards: list[VirtualCard], kv_cache_dtype: str | None, backend: object) -> str | None:
-    """One line for the log when a rank presents an older major capability than the physical GPU
-    and vLLM will pick FlashAttention 2 there (a 16-bit KV cache, no backend chosen); else None.
+def ptx_compile_warning(cards: list[VirtualCard], kv_cache_dtype: str | None, backend: object, *,
+                        model_dtype: object = None, use_mla: bool = False, multimodal: bool = False,
+                        mm_backend: object = None) -> str | None:
+    """One line for the log when a rank presents SM 8.x on a newer physical GPU and vLLM will run
+    FlashAttention 2 there; else None. FA2 runs the decoder's attention with a 16-bit KV cache and
+    a 16-bit model (no backend chosen; not MLA), and a vision encoder's attention (no
+    ``--mm-encoder-attn-backend``: vLLM lists FLASH_ATTN first for it on SM 8.0+).
 
     vLLM 0.33 ships FlashAttention 2's kernels as SM 8.0 code only (cubins and PTX for sm_80, no
     sm_90): a real SM 8.x card runs the cubins, an SM 9.0 GPU has the driver compile each kernel
     from PTX on its first launch, on the CPU, a minute or more a kernel. Measured on one H200
     (2026-12-02): every first request of a PP=2 server waited on it, with rank 0's thread running and
     the GPU idle; the same server with ``--attention-backend TRITON_ATTN`` answered in 1.8 s."""
-    if backend is not None or str(kv_cache_dtype or "auto").startswith("fp8"):
-        return None
     older = [(r, c) for r, c in enumerate(cards)
-             if c.physical_capability and c.reported_capability[0] < c.physical_capability[0]]
-    if not older:
+             if c.physical_capability and c.reported_capability[0] == 8 < c.physical_capability[0]]
+    if not older or use_mla or "float32" in str(model_dtype or "").lower():
+        return None
+    decoder = backend is None and not str(kv_cache_dtype or "auto").startswith("fp8")
+    encoder = multimodal and mm_backend is None
+    if not (decoder or encoder):
         return None
     c0 = older[0][1]
     pc = c0.physical_capability
     ranks = ", ".join(f"rank {r} ({c.reported_capability[0]}.{c.reported_capability[1]})" for r, c in older)
-    return (f"{ENV}: {ranks} present an older capability than GPU {c0.physical_id} ({c0.physical_name}, "
-            f"{pc[0]}.{pc[1]}): vLLM runs FlashAttention 2 there for a 16-bit KV cache, whose kernels it "
-            "ships as SM 8.0 code only, so the driver compiles each from PTX on its first launch (a "
-            "minute or more a kernel, on the CPU; the first requests wait). --attention-backend "
-            "TRITON_ATTN avoids it; a real card of that capability runs the kernels as shipped")
+    what = " and ".join(w for w, on in (("its attention (a 16-bit KV cache)", decoder),
+                                       ("its vision encoder", encoder)) if on)
+    flags = " and ".join(f for f, on in (("--attention-backend TRITON_ATTN", decoder),
+                                        ("--mm-encoder-attn-backend TORCH_SDPA", encoder)) if on)
+    return (f"{ENV}: {ranks} present SM 8.x on GPU {c0.physical_id} ({c0.physical_name}, {pc[0]}.{pc[1]}): "
+            f"vLLM runs FlashAttention 2 for {what} there, whose kernels it ships as SM 8.0 code only, so the "
+            "driver compiles each from PTX on its first launch (a minute or more a kernel, on the CPU; the "
+            f"first requests wait). {flags} avoids it; a real card of that capability runs the kernels as "
+            "shipped")
 
 
 def substitute(visible: list, spec: str | None):

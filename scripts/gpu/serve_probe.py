@@ -11,7 +11,9 @@ one completion of four prompts, four streams at once. The first request that get
 ``--wait`` seconds ends the variant: every process of its server writes its stacks to its log
 (``gpu_harness.stop_group(dump=True)``). The variants differ in one thing each:
 
-- ``default``    the test's flags (tests/gpu/test_gpu_serve.py);
+- ``default``    the test's flags (tests/gpu/test_gpu_serve.py) with vLLM's own attention backend
+                 (every variant but ``triton-attn`` passes ``--attention-backend auto``: the GPU harness
+                 would otherwise give a virtual pair's children TRITON_ATTN);
 - ``no-async``   ``--no-async-scheduling``;
 - ``v1-runner``  ``VLLM_USE_V2_MODEL_RUNNER=0`` (vLLM's V1 model runner: PP without async scheduling);
 - ``uncapped``   the package's ``pp-inflight-batches`` cap lifted in every process (a
@@ -58,26 +60,31 @@ class NoAnswer(Exception):
 LONG = " ".join(["the planet water one day the sun and the moon people call their"] * 10)
 
 
+# vLLM's own attention choice (FlashAttention 2 on the SM 8.9 rank): "auto" is a choice the GPU
+# harness keeps (it gives virtual-pair children TRITON_ATTN otherwise) and vLLM reads as none.
+VLLMS_CHOICE = ["--attention-backend", "auto"]
+
+
 def variant_setup(name: str, tmp: Path) -> tuple[list[str], dict]:
     if name in ("default", "small-dense", "long-prompt", "llm"):
-        return [], {}
+        return list(VLLMS_CHOICE), {}
     if name == "eager-load":
-        return [], {"CUDA_MODULE_LOADING": "EAGER"}
+        return list(VLLMS_CHOICE), {"CUDA_MODULE_LOADING": "EAGER"}
     if name == "few-blocks":
-        return ["--num-gpu-blocks-override", "512"], {}
+        return ["--num-gpu-blocks-override", "512", *VLLMS_CHOICE], {}
     if name == "triton-attn":
         return ["--attention-backend", "TRITON_ATTN"], {}
     if name == "no-async":
-        return ["--no-async-scheduling"], {}
+        return ["--no-async-scheduling", *VLLMS_CHOICE], {}
     if name == "v1-runner":
-        return [], {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+        return list(VLLMS_CHOICE), {"VLLM_USE_V2_MODEL_RUNNER": "0"}
     if name == "uncapped":
         site = tmp / "uncapped-site"
         site.mkdir(exist_ok=True)
         (site / "sitecustomize.py").write_text(UNCAP)
         import os
 
-        return [], {"PYTHONPATH": f"{site}:{os.environ.get('PYTHONPATH', '')}"}
+        return list(VLLMS_CHOICE), {"PYTHONPATH": f"{site}:{os.environ.get('PYTHONPATH', '')}"}
     raise SystemExit(f"unknown variant {name}")
 
 
@@ -171,7 +178,8 @@ def llm_job(llm) -> dict:
 
 def run_llm_variant(model: Path, out: Path, pair: list[float], limit: float, rec: dict) -> None:
     kwargs = {"model": str(model), "load_format": "dummy", "enforce_eager": True, "max_model_len": 4096,
-              "pipeline_parallel_size": 2, "distributed_executor_backend": "dualgpu"}
+              "pipeline_parallel_size": 2, "distributed_executor_backend": "dualgpu",
+              "attention_backend": "auto"}
     res = run_llm(kwargs, llm_job, log=out / "llm.log", timeout=limit, env=pair_env(pair))
     rec.update({k: v for k, v in res.items() if k != "log"})
     rec["answered"] = "texts" in res

@@ -130,6 +130,7 @@ PRECOMPILED_KERNELS = {
 
 
 VIRTUAL_PAIR_ATTENTION = "TRITON_ATTN"
+VIRTUAL_PAIR_ENCODER_ATTENTION = "TORCH_SDPA"  # a vision encoder's: vLLM lists FLASH_ATTN first on SM 8.0+
 
 
 def virtual_pair_attention(env: dict | None, chosen: str | None, kv_cache_dtype: str | None) -> str | None:
@@ -141,8 +142,9 @@ def virtual_pair_attention(env: dict | None, chosen: str | None, kv_cache_dtype:
     the GPU (2026-12-02) every first request waited on it (rank 0's thread running, the GPU idle)
     while the same server with TRITON_ATTN answered in 1.8 s. A real SM 8.9 card runs the sm_80
     cubins as they are, so this is the emulation's cost, not the plugin's: virtual-pair children
-    take Triton attention (DUALGPU_GPU_JIT_KERNELS=1 keeps vLLM's choice). An fp8 KV cache runs
-    FlashInfer there (the executor sets it), and a backend the test chose is kept."""
+    take Triton attention, and a vision encoder PyTorch's SDPA (``VIRTUAL_PAIR_ENCODER_ATTENTION``;
+    DUALGPU_GPU_JIT_KERNELS=1 keeps vLLM's choice). An fp8 KV cache runs FlashInfer there (the
+    executor sets it: the headline arms keep vLLM's choices), and a backend the test chose is kept."""
     if chosen or os.environ.get(JIT_KERNELS_ENV) == "1":
         return chosen
     virtual = (env or {}).get("VLLM_DUALGPU_VIRTUAL_GPUS") or os.environ.get("VLLM_DUALGPU_VIRTUAL_GPUS")
@@ -156,7 +158,10 @@ def with_virtual_pair_attention(engine_kwargs: dict | None, env: dict | None) ->
     if engine_kwargs is None or engine_kwargs.get("attention_backend"):
         return engine_kwargs
     backend = virtual_pair_attention(env, None, engine_kwargs.get("kv_cache_dtype"))
-    return {**engine_kwargs, "attention_backend": backend} if backend else engine_kwargs
+    if not backend:
+        return engine_kwargs
+    encoder = engine_kwargs.get("mm_encoder_attn_backend") or VIRTUAL_PAIR_ENCODER_ATTENTION
+    return {**engine_kwargs, "attention_backend": backend, "mm_encoder_attn_backend": encoder}
 
 
 def _flag(args: list[str], name: str) -> str | None:
@@ -415,6 +420,8 @@ class VllmServer:
         backend = virtual_pair_attention(env, _flag(args, "--attention-backend"), _flag(args, "--kv-cache-dtype"))
         if backend and not _flag(args, "--attention-backend"):
             args = [*args, "--attention-backend", backend]
+            if not _flag(args, "--mm-encoder-attn-backend"):
+                args = [*args, "--mm-encoder-attn-backend", VIRTUAL_PAIR_ENCODER_ATTENTION]
         self.cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, *args,
                     "--port", str(self.port)]
         self.env, self.timeout = env, timeout

@@ -35,8 +35,8 @@ def stream(server: VllmServer, out: dict, key: int, limit: float, seen: dict | N
             for line in r:
                 if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
                     chunks += 1
-                    if seen is not None:
-                        seen[key] = chunks
+                    if seen is not None and b'"error"' not in line:
+                        seen[key] = chunks  # tokens, not the error event
                     if b'"error"' in line:
                         out[key] = {"end": "error event", "s": round(time.time() - t0, 1), "chunks": chunks}
                         return

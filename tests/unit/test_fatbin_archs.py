@@ -43,4 +43,5 @@ def test_through_the_shell(tmp_path):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == f"{lib}: ELF sm_80: 2, PTX sm_80: 2"
-    assert subprocess.run([sys.executable, str(ROOT / "scripts" / "fatbin_archs.py")], capture_output=True).returncode == 2
+    bare = subprocess.run([sys.executable, str(ROOT / "scripts" / "fatbin_archs.py")], capture_output=True, text=True)
+    assert bare.returncode == 2 and bare.stderr.startswith("usage: python3 scripts/fatbin_archs.py LIBRARY.so")

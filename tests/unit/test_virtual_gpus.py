@@ -85,13 +85,24 @@ def test_a_rank_presenting_an_older_major_says_its_attention_kernels_compile_on_
     _, cards = substitute([H200], "RTX 4070 Ti SUPER:16GiB,H200:32GiB")
     assert [c.physical_capability for c in cards] == [(9, 0), (9, 0)]
     line = ptx_compile_warning(cards, "auto", None)
-    assert line.startswith(f"{ENV}: rank 0 (8.9) present an older capability than GPU 3 (NVIDIA H200, 9.0)")
-    assert "FlashAttention 2" in line and "--attention-backend TRITON_ATTN" in line
+    assert line.startswith(f"{ENV}: rank 0 (8.9) present SM 8.x on GPU 3 (NVIDIA H200, 9.0)")
+    assert "FlashAttention 2 for its attention (a 16-bit KV cache)" in line
+    assert "--attention-backend TRITON_ATTN avoids it" in line and "mm-encoder" not in line
     assert ptx_compile_warning(cards, "bfloat16", None) is not None
     assert ptx_compile_warning(cards, "fp8", None) is None  # FlashInfer there, not FA2
     assert ptx_compile_warning(cards, "fp8_e4m3", None) is None
     assert ptx_compile_warning(cards, "auto", "TRITON_ATTN") is None  # the user chose
+    assert ptx_compile_warning(cards, "auto", None, model_dtype="torch.float32") is None  # Triton then
+    assert ptx_compile_warning(cards, "auto", None, use_mla=True) is None
+    # a vision encoder runs FA2 on 8.x whatever the decoder's backend, unless its own is chosen
+    vit = ptx_compile_warning(cards, "fp8", None, multimodal=True)
+    assert "FlashAttention 2 for its vision encoder" in vit and "--mm-encoder-attn-backend TORCH_SDPA" in vit
+    assert ptx_compile_warning(cards, "fp8", None, multimodal=True, mm_backend="TORCH_SDPA") is None
+    both = ptx_compile_warning(cards, "auto", None, multimodal=True)
+    assert "its attention (a 16-bit KV cache) and its vision encoder" in both
     _, same = substitute([H200], "H200:16GiB,H200:32GiB")
     assert ptx_compile_warning(same, "auto", None) is None
+    _, turing = substitute([H200], "RTX 4070 Ti SUPER:16GiB:cc=7.5,H200:32GiB")  # below FA2's 8.0
+    assert ptx_compile_warning(turing, "auto", None) is None
     back = VirtualCard.from_dict(cards[0].to_dict())
     assert back == cards[0] and back.physical_capability == (9, 0)

@@ -248,8 +248,12 @@ def _virtual_ranks(vllm_config, cards) -> None:
         logger.info("vllm-dualgpu: virtual GPUs (%s): rank %d is %s", virtual_gpus.ENV, rank, c.describe())
     attention = getattr(vllm_config, "attention_config", None)
     cache = getattr(vllm_config, "cache_config", None)
-    line = virtual_gpus.ptx_compile_warning(cards, getattr(cache, "cache_dtype", None),
-                                            getattr(attention, "backend", None))
+    mc = getattr(vllm_config, "model_config", None)
+    mm = getattr(mc, "multimodal_config", None)
+    line = virtual_gpus.ptx_compile_warning(
+        cards, getattr(cache, "cache_dtype", None), getattr(attention, "backend", None),
+        model_dtype=getattr(mc, "dtype", None), use_mla=bool(getattr(mc, "use_mla", False)),
+        multimodal=mm is not None, mm_backend=getattr(mm, "mm_encoder_attn_backend", None))
     if line:
         logger.warning("vllm-dualgpu: %s", line)
 

@@ -51,18 +51,19 @@ def profiled_vs_predicted(requested: int, available_kv: int, predicted: int | No
             f"({diff / 2**20:+.0f} MiB, {err:+.1f}%)")
 
 
-def pp_receive_bytes(model_runner) -> int:
+def pp_receive_bytes(model_runner, tp_size: int = 1) -> int:
     """What a later pipeline stage holds of the batch it receives, at the largest batch: vLLM's
     ``Worker.execute_model`` receives the previous stage's tensors into new ones
     (``irecv_tensor_dict``) and keeps them through the step, while the profile pass reads the
     runner's persistent ``intermediate_tensors``, sized for the largest batch, instead. So the
-    step needs that buffer's size again beside what the profile measured. 0 on the first stage
-    (no buffer)."""
+    step needs that buffer's size again beside what the profile measured; twice with TP
+    (``tp_size`` > 1), where each rank receives its slice into a full-size tensor and all-gathers
+    it into another, both alive through the step. 0 on the first stage (no buffer)."""
     buffers = getattr(model_runner, "intermediate_tensors", None)
     if buffers is None:
         return 0
     tensors = getattr(buffers, "tensors", buffers)
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    return sum(t.numel() * t.element_size() for t in tensors.values()) * (2 if tp_size > 1 else 1)
 
 
 def _oom_detail(exc: BaseException) -> str:
@@ -218,7 +219,8 @@ class DualGpuWorker(Worker):
         if first:
             logger.info("vllm-dualgpu rank %d: %s", self.rank, first)
         available = super().determine_available_memory()
-        received = pp_receive_bytes(self.model_runner)
+        tp_size = getattr(getattr(self, "parallel_config", None), "tensor_parallel_size", 1) or 1
+        received = pp_receive_bytes(self.model_runner, tp_size)
         available = max(0, available - received)
         weights = _gib(getattr(self.model_runner, "model_memory_usage", 0) or 0)
         record = getattr(self, "_dualgpu_rank", None)

@@ -91,7 +91,8 @@ class MemoryModel:
     tp_comms_pcie_bytes: int = 256 * MIB
     #: tensors a later pipeline stage receives per batch and holds through the step, which vLLM's
     #: profile does not (``hidden_states`` and ``residual`` for vLLM's decoder models):
-    #: ``pp_receive_bytes``; measured on the virtual pair (2026-12-02, the worker's figure)
+    #: ``pp_receive_bytes``; from vLLM 0.33's sources (``irecv_tensor_dict``), after a stage ran
+    #: out of memory on the virtual pair (2026-12-02); not yet measured
     pp_receive_tensors: int = 2
 
     def context_bytes(self, nvlink: bool) -> int:
@@ -108,13 +109,16 @@ def activation_bytes(model: ModelSpec, num_tokens: int, mm: MemoryModel) -> int:
     return int(num_tokens * per_token)
 
 
-def pp_receive_bytes(model: ModelSpec, num_tokens: int, mm: MemoryModel) -> int:
+def pp_receive_bytes(model: ModelSpec, num_tokens: int, mm: MemoryModel, dtype: str | None = None) -> int:
     """What a later pipeline stage holds of the batch it receives, beside its forward pass: vLLM
     0.33's ``Worker.execute_model`` receives ``hidden_states`` and ``residual`` into new tensors and
     keeps them through the step, which vLLM's profile pass never does (it reads the runner's
     persistent buffer). ``mm.pp_receive_tensors`` tensors of ``num_tokens`` x the hidden size, in
-    the model's dtype."""
-    return mm.pp_receive_tensors * num_tokens * model.hidden_size * (dense_format(model.dtype).bits // 8)
+    the dtype vLLM runs (``dtype``, the request's ``--dtype``; "auto" or None: the config's). A
+    drafter's relayed hidden states (EAGLE3, DFlash) add tensors of the same size that this does
+    not count (the worker's figure, the runner's real buffer, does)."""
+    d = dtype if dtype and dtype != "auto" else model.dtype
+    return mm.pp_receive_tensors * num_tokens * model.hidden_size * (dense_format(d).bits // 8)
 
 
 def sampler_bytes(model: ModelSpec, num_seqs: int, mm: MemoryModel) -> int:
@@ -186,6 +190,7 @@ def runtime_reserve(
     decode_query_len: int = 1,
     flashinfer: bool = False,
     drafter_flashinfer: bool = False,
+    dtype: str | None = None,
 ) -> dict[str, int]:
     """Runtime reserve of one rank, itemised (``sum(values)`` is the reserve).
 
@@ -208,7 +213,7 @@ def runtime_reserve(
     small = cudagraph_capture_tokens(max_num_seqs, decode_query_len) <= mm.cudagraph_small_max_tokens
     parts["cuda_graphs"] = 0 if enforce_eager else (mm.cudagraph_small_bytes if small else mm.cudagraph_bytes)
     if not first:  # the batch it receives, held beside its forward pass
-        parts["pp_receive"] = pp_receive_bytes(model, max_num_batched_tokens, mm)
+        parts["pp_receive"] = pp_receive_bytes(model, max_num_batched_tokens, mm, dtype)
     if not (first and last):  # a pipeline stage: its communicators (middle ranks send and receive)
         if nvlink:
             parts["pp_comms"] = mm.pp_comms_first_bytes if first else mm.pp_comms_last_bytes

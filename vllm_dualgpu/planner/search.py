@@ -496,6 +496,7 @@ class _Context:
                     decode_query_len=1 + num_spec,
                     flashinfer=self.flashinfer,
                     drafter_flashinfer=self.drafter_flashinfer,
+                    dtype=request.model_dtype,
                 )
         self.fixed_sum = {k: sum(v.values()) for k, v in self.fixed.items()}
         self.reserve_sum = {k: sum(v.values()) for k, v in self.reserve.items()}

@@ -457,8 +457,11 @@ def stage_cards(full: ModelSpec, shard: ModelSpec, stages, tp: int,
     from vllm_dualgpu.planner.memory import default_batch_limits
 
     first = stages[0][0].gpu
-    seqs = request.max_num_seqs or default_batch_limits(first.total_bytes, first.name)[1]
-    extra = tp_extra_reserve(full, shard, tp, seqs, request.memory)
+    tokens, seqs = default_batch_limits(first.total_bytes, first.name)
+    seqs = request.max_num_seqs or seqs
+    extra = tp_extra_reserve(full, shard, tp, seqs, request.memory,
+                             max_num_batched_tokens=request.max_num_batched_tokens or tokens,
+                             dtype=request.model_dtype)
     cards = [_stage_card(s, j, extra) for j, s in enumerate(stages)]
     notes = []
     if any(len({c.gpu.budget_bytes for c in s}) > 1 for s in stages):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 
 from vllm_dualgpu.planner.errors import BadRequest
-from vllm_dualgpu.planner.memory import MemoryModel, sampler_bytes
+from vllm_dualgpu.planner.memory import MemoryModel, pp_receive_bytes, sampler_bytes
 from vllm_dualgpu.planner.model import ModelSpec
 
 #: vLLM's ``DEFAULT_VOCAB_PADDING_SIZE`` (vocab_parallel_embedding.py)
@@ -78,17 +78,22 @@ def shard_config(cfg: dict, tp: int) -> dict:
     return out
 
 
-def tp_extra_reserve(full: ModelSpec, shard: ModelSpec, tp: int, max_num_seqs: int, mm: MemoryModel) -> int:
+def tp_extra_reserve(full: ModelSpec, shard: ModelSpec, tp: int, max_num_seqs: int, mm: MemoryModel, *,
+                     max_num_batched_tokens: int = 0, dtype: str | None = None) -> int:
     """Memory a TP rank needs beyond what its shard config accounts for.
 
     * The sampler works on logits gathered to the full vocabulary (``LogitsProcessor`` gathers
       the vocab-parallel output), while the shard config sizes it for one slice: the difference.
     * The TP group's own NCCL communicator (``MemoryModel.tp_comms_pcie_bytes``): an estimate,
       not measured (an all-reduce group keeps more buffers than the pipeline's send/recv pair).
+    * A second copy of the batch a stage receives: with TP, vLLM's ``irecv_tensor_dict`` receives
+      each rank's slice into a full-size tensor and all-gathers it into another, and both live
+      through the step (``memory.pp_receive_bytes``, ``max_num_batched_tokens`` tokens).
 
     Charged to every card of the group (only the last stage samples; a conservative choice).
     """
     if tp == 1:
         return 0
     sampler = sampler_bytes(full, max_num_seqs, mm) - sampler_bytes(shard, max_num_seqs, mm)
-    return max(sampler, 0) + mm.tp_comms_pcie_bytes
+    gathered = pp_receive_bytes(full, max_num_batched_tokens, mm, dtype)
+    return max(sampler, 0) + mm.tp_comms_pcie_bytes + gathered

@@ -72,3 +72,17 @@ def test_a_later_stage_keeps_the_receive_buffers_out_of_its_kv_room(stage, caplo
 def test_the_first_stage_keeps_vllms_figure(stage):
     stage.model_runner = SimpleNamespace(model_memory_usage=GiB, intermediate_tensors=None)
     assert stage.determine_available_memory() == int(7.0 * GiB)
+
+
+def test_a_tp_stage_receives_twice_the_buffer():
+    """Each TP rank receives its slice into a full-size tensor and all-gathers it into another
+    (``irecv_tensor_dict`` with ``all_gather_group``); both live through the step."""
+    runner = SimpleNamespace(intermediate_tensors=runner_buffers(1024, 64, torch.bfloat16))
+    assert w.pp_receive_bytes(runner, tp_size=2) == 2 * w.pp_receive_bytes(runner) == 2 * 2 * 1024 * 64 * 2
+
+
+def test_a_tp_stages_kv_room(stage):
+    stage.parallel_config = SimpleNamespace(tensor_parallel_size=2)
+    stage.model_runner = SimpleNamespace(model_memory_usage=GiB,
+                                         intermediate_tensors=runner_buffers(8192, 1024, torch.bfloat16))
+    assert stage.determine_available_memory() == int(7.0 * GiB) - 2 * 32 * MiB

@@ -155,6 +155,9 @@ def test_virtual_pair_children_take_triton_attention_unless_chosen(monkeypatch):
     pair = {"VLLM_DUALGPU_VIRTUAL_GPUS": "RTX 4070 Ti SUPER:8GiB,NVIDIA H200:12GiB"}
     kw = {"model": "m", "pipeline_parallel_size": 2}
     assert with_virtual_pair_attention(kw, pair)["attention_backend"] == "TRITON_ATTN"
+    assert with_virtual_pair_attention(kw, pair)["mm_encoder_attn_backend"] == "TORCH_SDPA"  # FA2 on 8.x too
+    own = with_virtual_pair_attention({**kw, "mm_encoder_attn_backend": "FLASHINFER"}, pair)
+    assert own["mm_encoder_attn_backend"] == "FLASHINFER"
     assert "attention_backend" not in with_virtual_pair_attention(kw, {})  # a real pair, or stock on one GPU
     assert "attention_backend" not in with_virtual_pair_attention({**kw, "kv_cache_dtype": "fp8"}, pair)
     chosen = {**kw, "attention_backend": "FLASHINFER"}
@@ -164,7 +167,8 @@ def test_virtual_pair_children_take_triton_attention_unless_chosen(monkeypatch):
     def cmd(args, env):
         return VllmServer("m", args, log=None, env=env).cmd
 
-    assert cmd(["--pipeline-parallel-size", "2"], pair)[-4:-2] == ["--attention-backend", "TRITON_ATTN"]
+    assert cmd(["--pipeline-parallel-size", "2"], pair)[-6:-2] == ["--attention-backend", "TRITON_ATTN",
+                                                                   "--mm-encoder-attn-backend", "TORCH_SDPA"]
     assert "--attention-backend" not in cmd(["--pipeline-parallel-size", "2"], {})
     assert "--attention-backend" not in cmd(["--kv-cache-dtype", "fp8"], pair)
     assert cmd(["--attention-backend=FLASHINFER"], pair).count("--attention-backend=FLASHINFER") == 1

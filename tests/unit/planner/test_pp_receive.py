@@ -40,3 +40,23 @@ def test_the_first_stage_receives_nothing():
 def test_float32_doubles_it():
     model = dataclasses.replace(ModelSpec.from_hf_config(reference_config(), weight_format="fp8"), dtype="float32")
     assert _reserve(model)["pp_receive"] == 40 * MIB
+
+
+def test_the_dtype_vllm_runs_not_the_configs():
+    """--dtype float32 on a bf16 checkpoint (the float32 identity runs): four bytes an element."""
+    model = ModelSpec.from_hf_config(reference_config(), weight_format="fp8")
+    assert _reserve(model, dtype="float32")["pp_receive"] == 40 * MIB
+    assert _reserve(model, dtype="auto")["pp_receive"] == 20 * MIB
+
+
+def test_a_tp_stage_holds_a_second_copy():
+    """With TP, vLLM receives each rank's slice into a full-size tensor and all-gathers it into
+    another (``irecv_tensor_dict``): the stage's extra reserve carries one more batch."""
+    from vllm_dualgpu.planner.topology_shard import shard_config, tp_extra_reserve
+
+    cfg = reference_config()
+    full = ModelSpec.from_hf_config(cfg, weight_format="fp8")
+    half = ModelSpec.from_hf_config(shard_config(cfg, 2), weight_format="fp8")
+    without = tp_extra_reserve(full, half, 2, 2, MemoryModel())
+    assert tp_extra_reserve(full, half, 2, 2, MemoryModel(), max_num_batched_tokens=1024) - without == 20 * MIB
+    assert tp_extra_reserve(full, half, 1, 2, MemoryModel(), max_num_batched_tokens=1024) == 0

@@ -52,7 +52,8 @@ def test_a_tp_group_is_planned_as_equal_shards_at_the_smaller_cards_memory():
     r = by_id(fp)["host-tp2"].replicas[0]
     assert r.fits and r.tp == 2 and len(r.plan.ranks) == 1
     full, half = ModelSpec.from_hf_config(TINY), ModelSpec.from_hf_config(shard_config(TINY, 2))
-    extra = tp_extra_reserve(full, half, 2, 16, MemoryModel())
+    # vLLM's default batch on a 4 GiB card: 2,048 tokens (planner.memory.default_batch_limits)
+    extra = tp_extra_reserve(full, half, 2, 16, MemoryModel(), max_num_batched_tokens=2048)
     card = r.plan.ranks[0].gpu
     assert (card.free_bytes, card.reserve_bytes, card.bandwidth_gbps) == (3 * GIB, extra, 80.0)
     ref = plan(half, [GpuFacts(0, "A", 4 * GIB, 3 * GIB, 80.0, reserve_bytes=extra)], replace(REQ, pp_size=1))

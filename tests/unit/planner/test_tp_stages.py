@@ -25,8 +25,9 @@ LAYER_TP2, LAYER_TP4 = 591_104, 328_960
 # KV of one layer in one 16-token block on a rank: 16 x (K and V) x 1 head x 64 x 2 bytes.
 KV_BLOCK_LAYER = 16 * 2 * 1 * 64 * 2  # 4,096, at TP 2 (2 heads / 2) and at TP 4 (replicated)
 # What a TP-2 rank keeps beyond its shard: the sampler's logits at the full vocabulary, 8
-# sequences x (1024 - 512) x 6 bytes a logit, plus 256 MiB for the TP group's NCCL buffers.
-EXTRA_TP2 = 8 * (1024 - 512) * 6 + 256 * MiB
+# sequences x (1024 - 512) x 6 bytes a logit, 256 MiB for the TP group's NCCL buffers, and the
+# all-gathered copy of a received batch: 2 tensors x 2,048 tokens x hidden 256 x 2 bytes.
+EXTRA_TP2 = 8 * (1024 - 512) * 6 + 256 * MiB + 2 * 2048 * 256 * 2
 
 
 def card(i, name="RTX 5090", total=32, free=30, reserve=GiB):
