@@ -834,8 +834,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the plugin's and split arms' --max-model-len (default %(default)s; the expert keeps "
                          "its own); for a launcher the plan says does not hold 262,144: its largest length")
     ap.add_argument("--reserve", metavar="SIZES",
-                    help="VLLM_DUALGPU_RESERVE for the plugin and split arms, e.g. 256MiB,720MiB (what a refusal "
-                         "names); their names carry it (plugin-reserve-256MiB-720MiB)")
+                    help="VLLM_DUALGPU_RESERVE for the plugin and split arms, e.g. 256MiB,688MiB (what a refusal "
+                         "names); their names carry it (plugin-reserve-256MiB-688MiB)")
     ap.add_argument("--measures", default=",".join(MEASURES), metavar="LIST",
                     help="what a booted arm measures, in this order: " + ", ".join(MEASURES) + " (default all)")
     ap.add_argument("--dry-run", action="store_true", help="print every arm's arguments and environment")

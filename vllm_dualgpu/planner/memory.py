@@ -115,8 +115,8 @@ def pp_receive_bytes(model: ModelSpec, num_tokens: int, mm: MemoryModel, dtype: 
     keeps them through the step, which vLLM's profile pass never does (it reads the runner's
     persistent buffer). ``mm.pp_receive_tensors`` tensors of ``num_tokens`` x the hidden size, in
     the dtype vLLM runs (``dtype``, the request's ``--dtype``; "auto" or None: the config's). A
-    drafter's relayed hidden states (EAGLE3, DFlash) add tensors of the same size that this does
-    not count (the worker's figure, the runner's real buffer, does)."""
+    drafter's relayed hidden states (EAGLE3, DFlash) add tensors of the same size, which depend on
+    the split: the search charges them per stage (``_Context.aux_receive_bytes``)."""
     d = dtype if dtype and dtype != "auto" else model.dtype
     return mm.pp_receive_tensors * num_tokens * model.hidden_size * (dense_format(d).bits // 8)
 

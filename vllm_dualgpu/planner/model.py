@@ -389,6 +389,10 @@ class DrafterSpec:
     sliding_window: int = 0
     """Sliding-window attention in every drafter layer (DFlash drafters whose ``layer_types``
     say ``sliding_attention``, or ``dflash_config.use_swa``): its window; 0 = full attention."""
+    aux_layers: tuple[int, ...] = ()
+    """The target layers whose hidden states the drafter reads (EAGLE3, DFlash), as vLLM 0.33 names
+    them (``eagle3_utils.get_eagle3_aux_layers_from_config``: DFlash's ``target_layer_ids`` + 1).
+    Under PP a later stage receives those of the layers before it as extra tensors."""
 
     def to_dict(self) -> dict:
         return {
@@ -473,6 +477,14 @@ class DrafterSpec:
             own_head = int(text["draft_vocab_size"]) * H * db
         elif method in ("draft_model",):
             own_head = d.lm_head_bytes
+        aux: tuple[int, ...] = ()
+        if text.get("eagle_aux_hidden_state_layer_ids"):
+            aux = tuple(int(i) for i in text["eagle_aux_hidden_state_layer_ids"])
+        elif "dflash" in method and (dfl.get("target_layer_ids") or text.get("target_layer_ids")):
+            aux = tuple(int(i) + 1 for i in (dfl.get("target_layer_ids") or text.get("target_layer_ids")))
+        elif "eagle3" in method:  # vLLM's default for EAGLE3 (the target's get_eagle3_aux_hidden_state_layers)
+            L = target.num_layers
+            aux = (2, L // 2, L - 3)
         weights = sum(d.layer_weight_bytes) + fc + d.final_norm_bytes
         head_read = own_head or target.lm_head_bytes
         read = sum(layer.decode_read_bytes for layer in d.layers) + fc + head_read
@@ -491,6 +503,7 @@ class DrafterSpec:
             name=f"{method} drafter ({d.num_layers} layers, {d.weight_format}"
                  + (f", sliding window {window:,}" if window else "") + ")",
             sliding_window=window,
+            aux_layers=tuple(sorted(set(aux))),
         )
 
 

@@ -24,6 +24,8 @@ _RESERVE_LABELS = {
     "flashinfer_workspace": "  FlashInfer workspaces",
     "cuda_graphs": "  CUDA graphs",
     "pp_comms": "  NCCL buffers (pipeline)",
+    "pp_receive": "  received batch (pipeline)",
+    "pp_receive_aux": "  received drafter inputs",
 }
 
 

@@ -16,6 +16,7 @@ are enumerated exhaustively with prefix sums (fine for 2-3 ranks up to ~128 laye
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
 import json
@@ -33,6 +34,7 @@ from vllm_dualgpu.planner.memory import (
     attention_uses_flashinfer,
     default_batch_limits,
     drafter_attention_backend,
+    pp_receive_bytes,
     runtime_reserve,
 )
 from vllm_dualgpu.planner.model import DrafterSpec, ModelSpec
@@ -500,6 +502,13 @@ class _Context:
                 )
         self.fixed_sum = {k: sum(v.values()) for k, v in self.fixed.items()}
         self.reserve_sum = {k: sum(v.values()) for k, v in self.reserve.items()}
+        # a drafter's relayed hidden states (EAGLE3, DFlash): one more received tensor a layer of
+        # its ``aux_layers`` before a stage's first layer (vLLM's ``_aux_slot_base_cached``)
+        aux = self.drafter.aux_layers if self.drafter is not None and pp > 1 else ()
+        one = replace(mm, pp_receive_tensors=1) if mm.pp_receive_tensors else None
+        self.aux_layers = aux
+        self.aux_tensor_bytes = (pp_receive_bytes(model, self.max_num_batched_tokens, one, request.model_dtype)
+                                 if aux and one is not None else 0)
 
         # decode: K+V bytes per context token and mamba state bytes, prefix over layers
         self.kv_token_prefix = [0] * (L + 1)
@@ -558,6 +567,14 @@ class _Context:
             b += self.drafter.decode_read_bytes * self.drafter.passes
         return b
 
+    def aux_receive_bytes(self, start: int, first: bool) -> int:
+        """The relayed hidden states a stage starting at layer ``start`` receives beside the batch
+        (``reserve_aux_intermediate_tensor_slots`` in vLLM 0.33: one tensor for each aux layer up to
+        ``start``, ``bisect_right``); 0 on the first stage."""
+        if first or not self.aux_tensor_bytes:
+            return 0
+        return bisect.bisect_right(self.aux_layers, start) * self.aux_tensor_bytes
+
     def rank_cost(self, start: int, end: int, first: bool, last: bool, decode_tokens: int,
                   kv: KVLayout | None = None) -> RankCost:
         """What the rank holding decoder layers [start, end) pays, in its pipeline role, its KV
@@ -572,7 +589,7 @@ class _Context:
         return RankCost(
             weights_bytes=self.weight_prefix[end] - self.weight_prefix[start],
             fixed_bytes=self.fixed_sum[role],
-            runtime_reserve_bytes=self.reserve_sum[role],
+            runtime_reserve_bytes=self.reserve_sum[role] + self.aux_receive_bytes(start, first),
             kv_bytes_per_block=(kv or self.kv).bytes_per_block(start, end, last),
             decode_read_bytes=read,
         )
@@ -700,7 +717,8 @@ def _rank_plans(ctx: _Context, c: _Candidate, decode_tokens: int) -> list[RankPl
                 kv_budget_bytes=c.kv_budget[r],
                 kv_cache_bytes=kv_alloc,
                 fixed_detail=dict(ctx.fixed[(first, last)]),
-                reserve_detail=dict(ctx.reserve[(first, last)]),
+                reserve_detail={**ctx.reserve[(first, last)],
+                                **({"pp_receive_aux": aux} if (aux := ctx.aux_receive_bytes(start, first)) else {})},
                 decode_read_bytes=read,
             )
         )
@@ -1133,9 +1151,11 @@ def stock_estimate(
             fixed = ctx.fixed_sum[(first, last)] - ctx.mm.context_bytes(ctx.nvlink)
             # Stock vLLM creates the pipeline's NCCL communicators after sizing the KV cache
             # (this package creates them before profiling), so its sizing does not charge them.
-            # Nor FlashInfer's workspaces: vLLM 0.33 builds its attention backends with the KV cache.
+            # Nor FlashInfer's workspaces: vLLM 0.33 builds its attention backends with the KV cache;
+            # nor the batch a stage receives, which its profile never holds.
             charged = (ctx.reserve_sum[(first, last)] - ctx.reserve[(first, last)].get("pp_comms", 0)
-                       - ctx.reserve[(first, last)].get("flashinfer_workspace", 0))
+                       - ctx.reserve[(first, last)].get("flashinfer_workspace", 0)
+                       - ctx.reserve[(first, last)].get("pp_receive", 0))
             cost = ctx.rank_cost(start, end, first, last, 0)
             avail = requested - fixed - cost.weights_bytes - charged
             bpb = cost.kv_bytes_per_block

@@ -76,12 +76,20 @@ def whole_run_peak_mib(rank: dict) -> float:
     return (rank["weights_bytes"] + rank["fixed_bytes"] + rank["reserve_bytes"] + rank["kv_cache_bytes"]) / MIB
 
 
+# Charged since these runs: a later stage's received batch and a DFlash drafter's relayed inputs
+# (20 + 20 MiB on the W8A16 + DFlash2 arm's rank 1 at 19/45, 20 MiB on FP8 + MTP's): the plan may hold
+# one block fewer than the executor of the run asked; the next run records the new question.
+BLOCKS_SINCE = 1
+
+
 @pytest.mark.parametrize("launcher", list(ARMS))
 def test_plan_asks_what_the_executor_asked(launcher, write_config):
     p, r = planned(launcher, write_config), ran(launcher)
-    assert p["partition"] == r["partition"] and p["num_blocks"] == r["num_blocks"] and p["block_size"] == r["block_size"]
+    assert p["partition"] == r["partition"] and p["block_size"] == r["block_size"]
+    assert 0 <= r["num_blocks"] - p["num_blocks"] <= BLOCKS_SINCE, (p["num_blocks"], r["num_blocks"])
     for mine, theirs in zip(p["ranks"], r["ranks"]):
-        assert mine["kv_cache_bytes"] == theirs["kv_cache_bytes"]
+        per_block = theirs["kv_cache_bytes"] // r["num_blocks"]
+        assert mine["kv_cache_bytes"] == per_block * p["num_blocks"]
         assert abs(mine["weights_bytes"] - theirs["weights_bytes"]) <= 16 * MIB  # the run read the checkpoint
 
 

@@ -60,3 +60,29 @@ def test_a_tp_stage_holds_a_second_copy():
     without = tp_extra_reserve(full, half, 2, 2, MemoryModel())
     assert tp_extra_reserve(full, half, 2, 2, MemoryModel(), max_num_batched_tokens=1024) - without == 20 * MIB
     assert tp_extra_reserve(full, half, 1, 2, MemoryModel(), max_num_batched_tokens=1024) == 0
+
+
+def _dflash_plan(partition):
+    import json
+    from pathlib import Path
+
+    from vllm_dualgpu.planner import PlanRequest, fit, reference_pair
+
+    drafter = json.loads((Path(__file__).resolve().parents[2] / "fixtures" / "dflash2_drafter_standin.json").read_text())
+    model = ModelSpec.from_hf_config(reference_config(), weight_format="int8")
+    spec = {"method": "dflash", "num_speculative_tokens": 7, "draft_config": drafter}
+    req = PlanRequest(max_model_len=65536, max_num_seqs=2, max_num_batched_tokens=1024, kv_cache_dtype="fp8",
+                      enable_prefix_caching=True, speculative=spec, layer_partition=partition, pp_size=2)
+    return fit(model, reference_pair(), req).plan
+
+
+def test_a_dflash_drafters_relayed_hidden_states_are_received_too():
+    """The stand-in DFlash2 drafter reads target layers 1, 16, 31, 46 and 61, which vLLM 0.33 names
+    2, 17, 32, 47 and 62 (``target_layer_ids`` + 1); a stage starting at layer 19 receives the
+    first two beside the batch, one 1,024 x 5,120 bf16 tensor (10 MiB) each
+    (``reserve_aux_intermediate_tensor_slots``: ``bisect_right(layers, start_layer)``)."""
+    p = _dflash_plan([19, 45])
+    assert p.ranks[1].reserve_detail["pp_receive_aux"] == 2 * 10 * MIB
+    assert "pp_receive_aux" not in p.ranks[0].reserve_detail
+    q = _dflash_plan([13, 51])  # layer 13: only layer 2's
+    assert q.ranks[1].reserve_detail["pp_receive_aux"] == 10 * MIB
