@@ -263,7 +263,7 @@ class KVLayout:
         """``max_in_flight_tokens``: vLLM's ``VllmConfig.max_in_flight_tokens`` (concurrent
         batches x ``max_num_batched_tokens``), what a sliding-window drafter layer keeps beyond
         its window."""
-        mdt = model_dtype if model_dtype and model_dtype != "auto" else model.dtype
+        mdt = model.run_dtype(model_dtype)
         num_spec = num_speculative_tokens if num_speculative_tokens is not None else (
             drafter.num_speculative_tokens if drafter else 0
         )

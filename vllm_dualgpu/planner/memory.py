@@ -109,16 +109,20 @@ def activation_bytes(model: ModelSpec, num_tokens: int, mm: MemoryModel) -> int:
     return int(num_tokens * per_token)
 
 
+def received_tensor_bytes(model: ModelSpec, num_tokens: int, dtype: str | None = None) -> int:
+    """One tensor a later pipeline stage receives: ``num_tokens`` x the hidden size, in the dtype
+    vLLM runs (``dtype``, the request's ``--dtype``; "auto" or None: the config's)."""
+    return num_tokens * model.hidden_size * (dense_format(model.run_dtype(dtype)).bits // 8)
+
+
 def pp_receive_bytes(model: ModelSpec, num_tokens: int, mm: MemoryModel, dtype: str | None = None) -> int:
     """What a later pipeline stage holds of the batch it receives, beside its forward pass: vLLM
     0.33's ``Worker.execute_model`` receives ``hidden_states`` and ``residual`` into new tensors and
     keeps them through the step, which vLLM's profile pass never does (it reads the runner's
-    persistent buffer). ``mm.pp_receive_tensors`` tensors of ``num_tokens`` x the hidden size, in
-    the dtype vLLM runs (``dtype``, the request's ``--dtype``; "auto" or None: the config's). A
-    drafter's relayed hidden states (EAGLE3, DFlash) add tensors of the same size, which depend on
-    the split: the search charges them per stage (``_Context.aux_receive_bytes``)."""
-    d = dtype if dtype and dtype != "auto" else model.dtype
-    return mm.pp_receive_tensors * num_tokens * model.hidden_size * (dense_format(d).bits // 8)
+    persistent buffer). ``mm.pp_receive_tensors`` of :func:`received_tensor_bytes`. A drafter's
+    relayed hidden states (EAGLE3, DFlash) add tensors of the same size, which depend on the split:
+    the search charges them per stage (``_Context.aux_receive_bytes``)."""
+    return mm.pp_receive_tensors * received_tensor_bytes(model, num_tokens, dtype)
 
 
 def sampler_bytes(model: ModelSpec, num_seqs: int, mm: MemoryModel) -> int:

@@ -65,6 +65,10 @@ class ModelSpec:
     quantization_method: str = "none"
     formats: dict = field(default_factory=dict, compare=False)
 
+    def run_dtype(self, requested: str | None) -> str:
+        """The dtype vLLM runs: ``requested`` (``--dtype``), or the config's for "auto" or None."""
+        return requested if requested and requested != "auto" else self.dtype
+
     @property
     def num_layers(self) -> int:
         return len(self.layers)

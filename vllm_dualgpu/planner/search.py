@@ -34,7 +34,7 @@ from vllm_dualgpu.planner.memory import (
     attention_uses_flashinfer,
     default_batch_limits,
     drafter_attention_backend,
-    pp_receive_bytes,
+    received_tensor_bytes,
     runtime_reserve,
 )
 from vllm_dualgpu.planner.model import DrafterSpec, ModelSpec
@@ -504,11 +504,10 @@ class _Context:
         self.reserve_sum = {k: sum(v.values()) for k, v in self.reserve.items()}
         # a drafter's relayed hidden states (EAGLE3, DFlash): one more received tensor a layer of
         # its ``aux_layers`` before a stage's first layer (vLLM's ``_aux_slot_base_cached``)
-        aux = self.drafter.aux_layers if self.drafter is not None and pp > 1 else ()
-        one = replace(mm, pp_receive_tensors=1) if mm.pp_receive_tensors else None
-        self.aux_layers = aux
-        self.aux_tensor_bytes = (pp_receive_bytes(model, self.max_num_batched_tokens, one, request.model_dtype)
-                                 if aux and one is not None else 0)
+        # (none where the memory model charges no received tensors)
+        self.aux_layers = self.drafter.aux_layers if self.drafter is not None and pp > 1 else ()
+        self.aux_tensor_bytes = (received_tensor_bytes(model, self.max_num_batched_tokens, request.model_dtype)
+                                 if self.aux_layers and mm.pp_receive_tensors else 0)
 
         # decode: K+V bytes per context token and mamba state bytes, prefix over layers
         self.kv_token_prefix = [0] * (L + 1)
@@ -698,6 +697,7 @@ def _rank_plans(ctx: _Context, c: _Candidate, decode_tokens: int) -> list[RankPl
         gpu = ctx.gpus[c.order[r]]
         cost = ctx.rank_cost(start, end, first, last, decode_tokens, c.kv)
         weights, fixed, reserve = cost.weights_bytes, cost.fixed_bytes, cost.runtime_reserve_bytes
+        aux = ctx.aux_receive_bytes(start, first)  # in ``reserve``; itemised below
         kv_alloc = c.num_blocks * c.bpb[r]
         read, ms = cost.decode_read_bytes, cost.decode_ms(gpu.bandwidth_gbps)
         out.append(
@@ -717,8 +717,7 @@ def _rank_plans(ctx: _Context, c: _Candidate, decode_tokens: int) -> list[RankPl
                 kv_budget_bytes=c.kv_budget[r],
                 kv_cache_bytes=kv_alloc,
                 fixed_detail=dict(ctx.fixed[(first, last)]),
-                reserve_detail={**ctx.reserve[(first, last)],
-                                **({"pp_receive_aux": aux} if (aux := ctx.aux_receive_bytes(start, first)) else {})},
+                reserve_detail={**ctx.reserve[(first, last)], **({"pp_receive_aux": aux} if aux else {})},
                 decode_read_bytes=read,
             )
         )
