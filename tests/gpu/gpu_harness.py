@@ -282,12 +282,25 @@ def plugin_lines(log: Path, kind: str) -> list[str]:
     return [line for line in grep(log, PLUGIN_LINE) if re.search(rf"[(+]{kind}[,+ )]", line)]
 
 
+def last_summaries(log: Path, kind: str) -> dict[str, str]:
+    """Per process of ``kind`` (its pid), its last plugin line: a spawned worker logs one when it
+    loads the plugin ("nothing applied yet") and another once the dualgpu worker has applied its
+    patches."""
+    found: dict[str, str] = {}
+    for line in plugin_lines(log, kind):
+        m = re.search(r"\(\S*, pid (\d+),", line)
+        found[m.group(1) if m else line] = line
+    return found
+
+
 def assert_applied(log: Path, kind: str, names, at_least: int = 1) -> None:
-    lines = plugin_lines(log, kind)
-    assert len(lines) >= at_least, f"{len(lines)} {kind} plugin lines in {log.name}, expected {at_least}"
-    for line in lines:
+    """Each process of ``kind`` (at least ``at_least`` of them) lists ``names`` as applied in its
+    last plugin line."""
+    last = last_summaries(log, kind)
+    assert len(last) >= at_least, f"{len(last)} {kind} processes logged a plugin line in {log.name}, expected {at_least}"
+    for pid, line in last.items():
         missing = [n for n in names if n not in applied_names(line)]
-        assert not missing, f"a {kind} process did not apply {missing}: {line}"
+        assert not missing, f"a {kind} process did not apply {missing} (pid {pid}; its last plugin line): {line}"
 
 
 # --- ballast -------------------------------------------------------------------------------------

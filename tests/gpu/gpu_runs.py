@@ -16,10 +16,10 @@ def spec_kwargs(model_dir, method: str = "mtp", drafter=None, backend: str = "du
     kw = dict(model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, pipeline_parallel_size=2,
               distributed_executor_backend=backend, enforce_eager=True, max_model_len=4096,
               gpu_memory_utilization=0.3, seed=0, additional_config=gdn_prefill_config(),
-              speculative_config={"method": "mtp", "num_speculative_tokens": NUM_SPEC})
-    if method == "eagle3":
+              speculative_config={"method": "mtp", "num_speculative_tokens": NUM_SPEC},
+              disable_log_stats=False)  # LLM.get_metrics() needs the stat loggers (the MTP run recorded
+    if method == "eagle3":            # "Stat logging disabled" without it, 2026-12-03)
         kw["speculative_config"] = {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": NUM_SPEC}
-        kw["disable_log_stats"] = False  # LLM.get_metrics() needs the stat loggers
     return kw
 
 

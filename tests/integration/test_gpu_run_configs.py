@@ -87,6 +87,13 @@ def spec_dirs(tmp_path_factory):
     return gm.write_config_only(gm.SPEC_HYBRID, d / "model"), gm.write_config_only(gm.EAGLE3_CONFIG, d / "drafter")
 
 
+def test_spec_runs_keep_vllms_stat_loggers(tmp_path):
+    """The speculative-decoding tests record vLLM's acceptance counters (LLM.get_metrics()), which
+    raise "Stat logging disabled" unless the run keeps its stat loggers."""
+    for kw in (gpu_runs.spec_kwargs(tmp_path), gpu_runs.spec_kwargs(tmp_path, "eagle3", tmp_path / "d")):
+        assert kw.get("disable_log_stats", True) is False, kw["speculative_config"]
+
+
 @pytest.mark.slow
 def test_mtp_config(engine_config, spec_dirs):
     cfg = engine_config(**gpu_runs.spec_kwargs(spec_dirs[0]))
