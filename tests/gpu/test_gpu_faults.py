@@ -115,7 +115,8 @@ def run_fault(model, gpu_out, sig: int, name: str, record_property, bound: float
     rec = {"signal": signal.Signals(sig).name, "streaming_after_s": streaming_s, "chunks_before_fault": before,
            "requests": ended, "health_bad_after_s": health_bad_s,
            "server_exit_code_within_bound": server_exit, "group_left": group_alive(server.proc.pid),
-           "workers_left": [p for p in pids if alive(p)], "log_tail": tail(log, 15)}
+           "workers_left": [p for p in pids if alive(p)],
+           "ranks_named": grep(log, r"vllm-dualgpu: (pipeline )?rank \d"), "log_tail": tail(log, 15)}
     record_property(name, {k: v for k, v in rec.items() if k != "log_tail"})
     (gpu_out / f"{name}.json").write_text(json.dumps(rec, indent=1))
     return rec
@@ -128,6 +129,9 @@ def test_a_killed_worker_fails_every_request(model_dir, gpu_out, record_property
     assert len(rec["requests"]) == 4, f"requests still open 60 s after the kill: {rec['requests']}"
     assert all(r["end"] != "finished" or r["chunks"] < 1500 for r in rec["requests"].values()), rec["requests"]
     assert rec["health_bad_after_s"] is not None, "the server still reported healthy 60 s after the kill"
+    named = [line.split("] ", 1)[-1] for line in rec["ranks_named"]]
+    assert len(named) == 1 and re.match(r"vllm-dualgpu: pipeline rank 1 \(GPU \d+: .*\) was killed by signal 9 ",
+                                        named[0]), f"the killed rank named (only it, while the server ran): {named}"
     assert not rec["group_left"] and not rec["workers_left"], rec
 
 

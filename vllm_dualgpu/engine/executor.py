@@ -6,6 +6,8 @@ effects: EngineCore unpickles the config (which names this class) before plugins
 
 from __future__ import annotations
 
+import multiprocessing.connection
+
 from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
 from vllm_dualgpu.engine.plan_scope import planning_applies
@@ -54,9 +56,31 @@ class DualGpuExecutor(PlannedExecutor, MultiprocExecutor):
         """vLLM calls ``callback`` when a worker process died; first say which rank and GPU."""
 
         def name_dead_ranks_then_fail():
-            for line in dead_rank_lines(self.workers, getattr(self.dualgpu, "gpus", None),
-                                        getattr(self.dualgpu, "tp_size", 1)):
-                logger.error(line)
+            self._name_dead_ranks()
             callback()
 
         super().register_failure_callback(name_dead_ranks_then_fail)
+
+    def shutdown(self) -> None:
+        """vLLM's worker monitor marks the executor failed and shuts it down (waiting for the other
+        workers, then terminating them) before it calls the failure callback, while the engine
+        fails its requests at once: a server stopped a second after a SIGKILL never logged the
+        callback's line (vLLM 0.33, 2026-12-03). So the dead ranks are named here, first, and
+        only the ranks that had died before the shutdown ended the others."""
+        if getattr(self, "is_failed", False):
+            self._name_dead_ranks()
+        super().shutdown()
+
+    def _name_dead_ranks(self) -> None:
+        if getattr(self, "_dead_ranks_named", False):
+            return
+        self._dead_ranks_named = True
+        workers = getattr(self, "workers", None) or []
+        sentinels = [s for h in workers if (s := getattr(h.proc, "sentinel", None)) is not None]
+        ended = set(multiprocessing.connection.wait(sentinels, timeout=0)) if sentinels else set()
+        for h in workers:
+            if h.proc.exitcode is None and getattr(h.proc, "sentinel", None) in ended:
+                # its pipe closes as it exits, a moment before the kernel lets it be reaped
+                h.proc.join(timeout=1.0)
+        for line in dead_rank_lines(workers, getattr(self.dualgpu, "gpus", None), getattr(self.dualgpu, "tp_size", 1)):
+            logger.error(line)
