@@ -149,6 +149,9 @@ def test_a_stopped_worker_is_bounded(model_dir, gpu_out, record_property):
     # a stopped worker left /health at 200 and every stream silent for 55 s.
     assert rec["health_bad_after_s"] is not None and rec["health_bad_after_s"] < STALL_LIMIT_S + 30, rec
     assert len(rec["requests"]) == 4, f"streams still open {STALL_LIMIT_S + 60} s after the stop: {rec['requests']}"
+    named = [line.split("] ", 1)[-1] for line in grep(gpu_out / "sigstop.log", r"vllm-dualgpu: no answer to ")]
+    assert named and re.match(rf"vllm-dualgpu: no answer to \w+ within {STALL_LIMIT_S} s .*pipeline rank 1 "
+                              r"\(GPU \d+: .*\) is stopped \(SIGSTOP", named[0]), f"the stopped rank named: {named}"
 
 
 OOM_RANK = 0

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_dualgpu.engine.executor import dead_rank_lines  # noqa: E402
+from vllm_dualgpu.engine.rank_faults import dead_rank_lines  # noqa: E402
 
 
 def handle(rank, exitcode):

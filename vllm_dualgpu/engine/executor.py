@@ -7,38 +7,14 @@ effects: EngineCore unpickles the config (which names this class) before plugins
 from __future__ import annotations
 
 import multiprocessing.connection
+from concurrent.futures import Future
 
 from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
 from vllm_dualgpu.engine.plan_scope import planning_applies
 from vllm_dualgpu.engine.planned_executor import PlannedExecutor
+from vllm_dualgpu.engine.rank_faults import dead_rank_lines, method_name, unanswered_line
 from vllm_dualgpu.log import logger
-
-
-def dead_rank_lines(workers, gpus=None, tp_size: int = 1) -> list[str]:
-    """One line per worker process that has ended: its rank (with TP stages also its stage and
-    TP rank), GPU and exit status."""
-    lines = []
-    for h in workers:
-        code = h.proc.exitcode
-        if code is None:
-            continue
-        gpu = gpus[h.rank] if gpus and h.rank < len(gpus) else None
-        where = f" (GPU {gpu.physical_id}: {gpu.name})" if gpu else ""
-        if code < 0:
-            how = f"was killed by signal {-code}"
-            if -code == 9:
-                how += " (SIGKILL: out of host memory, or killed from outside)"
-        else:
-            how = f"exited with status {code}"
-            if code == 1:
-                how += (" (a rank that fails in warm-up or runs out of GPU memory while serving ends itself: "
-                        "see its ERROR line above)")
-        who = (f"pipeline rank {h.rank}" if tp_size == 1
-               else f"rank {h.rank} (stage {h.rank // tp_size}, TP rank {h.rank % tp_size})")
-        lines.append(f"vllm-dualgpu: {who}{where} {how}; the engine shuts down "
-                     "and fails its requests")
-    return lines
 
 
 class DualGpuExecutor(PlannedExecutor, MultiprocExecutor):
@@ -84,3 +60,26 @@ class DualGpuExecutor(PlannedExecutor, MultiprocExecutor):
                 h.proc.join(timeout=1.0)
         for line in dead_rank_lines(workers, getattr(self.dualgpu, "gpus", None), getattr(self.dualgpu, "tp_size", 1)):
             logger.error(line)
+
+    def collective_rpc(self, method, timeout=None, *args, **kwargs):
+        """vLLM's, and when a call runs past its bound (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS for a
+        step) one line first saying which ranks are stopped and which are not: vLLM's own
+        TimeoutError names only the method."""
+        try:
+            out = super().collective_rpc(method, timeout, *args, **kwargs)
+        except TimeoutError:
+            self._name_unanswering_ranks(method, timeout)
+            raise
+        if isinstance(out, Future):  # non_block: the wait happens in result()
+            out.add_done_callback(lambda f: not f.cancelled() and isinstance(f.exception(), TimeoutError)
+                                  and self._name_unanswering_ranks(method, timeout))
+        return out
+
+    def _name_unanswering_ranks(self, method, timeout) -> None:
+        """Once per method: a server's later steps time out the same way."""
+        named = self.__dict__.setdefault("_unanswered_named", set())
+        if method_name(method) in named:
+            return
+        named.add(method_name(method))
+        logger.error(unanswered_line(getattr(self, "workers", None) or [], getattr(self.dualgpu, "gpus", None),
+                                     getattr(self.dualgpu, "tp_size", 1), method, timeout))
