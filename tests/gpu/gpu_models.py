@@ -6,8 +6,9 @@ token for token. ``*-hybrid`` presets are Qwen3.5-style text models (three Gated
 per full-attention layer) with one MTP layer; transformers has no MTP module, so its weights
 (named as in Qwen3.5 checkpoints, shaped from the model's own full-attention layer) are written
 here to ``model-mtp.safetensors``. A random drafter rarely agrees with the target: the tokens stay
-the target's greedy tokens. Also the EAGLE3 drafter, the vision model and the checkpoint pair with
-an INT8-packed embedding. Importable without torch (CPU tests build vLLM configs from these).
+the target's greedy tokens. Also the EAGLE3 drafter, the vision model, the checkpoint pair with
+an INT8-packed embedding, and a DFlash drafter of the reference DFlash2 shape (W4A16 packed, seeded
+weights) next to the hybrid. Importable without torch (CPU tests build vLLM configs from these).
 """
 
 from __future__ import annotations
@@ -472,3 +473,167 @@ def embed_expected(dirs: dict[str, Path]) -> dict:
     return {"vocab": table.shape[0], "hidden": table.shape[1], "param_bytes": nbytes,
             "embedding_bytes": sum(nbytes.values()), "bf16_table_bytes": table.numel() * 2,
             "dense_table_sha256": table_sha256(table)}
+
+
+# --- a DFlash drafter of the reference DFlash2 shape, next to the hybrid -------------------------
+
+# vLLM 0.33.0 file:line under site-packages/vllm/. The reference drafter (DFLASH_FIXTURE, the
+# headline's DFlash2 stand-in) is "DFlashDraftModel": model_executor/models/registry.py:664 maps it
+# to qwen3_dflash.DFlashQwen3ForCausalLM (EAGLEConfig keeps a name that starts with "DFlash",
+# transformers_utils/configs/eagle.py:65-74) and v1/worker/gpu/spec_decode/__init__.py:48-52 runs it
+# with the V2 runner's DFlashSpeculator. What the drafter holds of its own
+# (model_executor/models/qwen3_dflash.py): its decoder layers (q/k/v/o, q_norm/k_norm, gate/up/down,
+# two layer norms; the loader stacks q/k/v and gate/up, :403-409), ``fc`` over the concatenated
+# target states (len(target_layer_ids) x hidden -> hidden, :476-487, sized by
+# _get_dflash_fc_input_size :84-93), ``hidden_norm`` and ``norm``. Its embedding and lm_head are the
+# target's: load_weights drops ``embed_tokens`` when the checkpoint has none (:883-884), the lm_head
+# is shared unless the checkpoint ships one (has_own_lm_head, models/utils.py:1195-1198;
+# v1/worker/gpu/spec_decode/dflash/utils.py:62-73), and the embedding through
+# maybe_share_target_embed (v1/worker/gpu/spec_decode/eagle/utils.py:45-77; the class declares
+# has_own_embed_tokens through SupportsEagle, models/interfaces.py:1549, so vLLM shares under PP
+# too; Qwen3.5 keeps embed_tokens on every rank, models/qwen3_5.py:251). Checkpoint names carry no
+# "model." prefix: load_weights adds it to everything but lm_head (qwen3_dflash.py:866-867). Under
+# ``sliding_attention`` every layer is causal (:62-73): no non-causal attention backend needed.
+#
+# W4A16 on SM 9.0: compressed-tensors' group-128 symmetric int4 is CompressedTensorsWNA16
+# (model_executor/layers/quantization/compressed_tensors/schemes/compressed_tensors_wNa16.py:
+# weight_packed int32 [out, in/8], weight_scale in the model dtype [out, in/128], weight_shape int64
+# [2], :177-240; type uint4b8, :44). Its kernel is the first of
+# model_executor/kernels/linear/__init__.py:540-548 that can implement it: CutlassW4A8 takes FP8
+# activations only (mixed_precision/cutlass.py:39), Machete takes SM 9.0 exactly
+# (mixed_precision/machete.py:24-54: uint4b8, group 128 with bf16 activations, in % 64 and out %
+# 128, every layer here), an op of vLLM's compiled _C (_custom_ops.py:1357-1362), nothing built on
+# first use. The H200 runs stock and the plugin's last rank (the drafter's); rank 0 (SM 8.9) holds
+# no drafter.
+DFLASH_FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "dflash2_drafter_standin.json"
+# The target: spec-hybrid with its layer kinds written out (mtp_tensors reads them), seeded weights.
+DFLASH_TARGET = {**SPEC_HYBRID, "layer_types": [
+    "full_attention" if (i + 1) % SPEC_HYBRID["full_attention_interval"] == 0 else "linear_attention"
+    for i in range(SPEC_HYBRID["num_hidden_layers"])]}
+PRESETS["dflash-hybrid"] = lambda: dict(DFLASH_TARGET)
+# The reference's rule on 64 layers, [1, 16, 31, 46, 61]: the first id 1, the last L - 3, evenly
+# between. On 8 layers that is 1..5. vLLM reads them as aux layers id + 1
+# (v1/worker/gpu/spec_decode/eagle/eagle3_utils.py:121-124): [2, 3, 4, 5, 6]; with the 4/4 split
+# rank 0 captures 2, 3 and 4 (4 is its last layer's output) and relays them to rank 1 (its slots:
+# bisect_right(aux, 4) = 3, models/interfaces.py:1633-1636), rank 1 captures 5 and 6.
+DFLASH_TARGET_LAYER_IDS = [1, 2, 3, 4, 5]
+DFLASH_SPLIT = [4, 4]
+# Inside the vocabulary and above every prompt id of gpu_runs.spec_prompts (3..8002), as the
+# reference's 248077 is a reserved id near the end of its 248320.
+DFLASH_MASK_TOKEN_ID = 8100
+# The reference's window (4096) is 1/64 of its context; here 1024: shorter than the long prompt
+# (1500 tokens), so the drafter's sliding window is exercised, and half of max_model_len (2048).
+DFLASH_WINDOW = 1024
+DFLASH_DRAFTER_CLASS = "vllm.model_executor.models.qwen3_dflash.DFlashQwen3ForCausalLM"
+W4_BITS, W4_GROUP = 4, 128
+W4_PACK = 32 // W4_BITS  # values per int32 word
+W4_OFFSET = 1 << (W4_BITS - 1)  # uint4b8: stored value = q + 8
+DFLASH_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def dflash_drafter_config(target: dict = DFLASH_TARGET) -> dict:
+    """The reference drafter's config.json scaled to ``target``: its width, heads, MLP and
+    vocabulary, the window and layer ids above; 5 sliding-attention layers and the W4A16
+    quantization_config (group 128, symmetric, lm_head ignored) as the reference has them."""
+    ref = json.loads(DFLASH_FIXTURE.read_text())
+    cfg = {**ref, **{k: target[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                            "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps",
+                                            "max_position_embeddings", "torch_dtype")}}
+    cfg["dflash_config"] = {**ref["dflash_config"], "target_layer_ids": list(DFLASH_TARGET_LAYER_IDS),
+                            "mask_token_id": DFLASH_MASK_TOKEN_ID, "swa_window_size": DFLASH_WINDOW}
+    return cfg
+
+
+def dflash_linear_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
+    """[out, in] of every linear layer of the drafter, by checkpoint name (without ``.weight``)."""
+    h, inter, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    per_layer = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+                 "self_attn.o_proj": (h, q), "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h),
+                 "mlp.down_proj": (h, inter)}
+    shapes = {f"layers.{i}.{n}": s for i in range(cfg["num_hidden_layers"]) for n, s in per_layer.items()}
+    shapes["fc"] = (h, len(cfg["dflash_config"]["target_layer_ids"]) * h)
+    return shapes
+
+
+def dflash_drafter_tensors(cfg: dict, seed: int) -> dict:
+    """The drafter's dense bf16 weights by checkpoint name: matrices N(0, 0.05) as the random
+    targets' (seeded), RMSNorm weights 1 (vLLM's RMSNorm multiplies by the weight)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    out = {f"{name}.weight": (torch.randn(shape, generator=gen) * 0.05).to(torch.bfloat16)
+           for name, shape in dflash_linear_shapes(cfg).items()}
+    ones = lambda n: torch.ones(n, dtype=torch.bfloat16)  # noqa: E731
+    for i in range(cfg["num_hidden_layers"]):
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out[f"layers.{i}.{norm}.weight"] = ones(cfg["hidden_size"])
+        for norm in ("self_attn.q_norm", "self_attn.k_norm"):
+            out[f"layers.{i}.{norm}.weight"] = ones(cfg["head_dim"])
+    out["hidden_norm.weight"] = ones(cfg["hidden_size"])
+    out["norm.weight"] = ones(cfg["hidden_size"])
+    return out
+
+
+def quantize_w4(w):
+    """[out, in] -> (q int8 in [-8, 7], scale bf16 [out, in // 128]): symmetric per group of 128,
+    scale = the group's absmax / 7 (rounded to bf16 first, so q * scale is what the kernel computes)."""
+    import torch
+
+    o, i = w.shape
+    groups = w.float().reshape(o, i // W4_GROUP, W4_GROUP)
+    scale = (groups.abs().amax(-1) / (W4_OFFSET - 1)).clamp_min(1e-8).to(torch.bfloat16)
+    q = torch.round(groups / scale.float().unsqueeze(-1)).clamp(-W4_OFFSET, W4_OFFSET - 1)
+    return q.to(torch.int8).reshape(o, i), scale
+
+
+def pack_w4(q):
+    """int4 values [out, in] -> int32 words [out, in // 8]: value c at bits 4 * (c % 8) of word
+    c // 8, stored + 8 (compressed-tensors' pack_to_int32 with num_bits=4, packed_dim=1)."""
+    import torch
+
+    o, i = q.shape
+    shifts = torch.arange(W4_PACK, dtype=torch.int64) * W4_BITS
+    words = ((q.to(torch.int64) + W4_OFFSET).reshape(o, i // W4_PACK, W4_PACK) << shifts).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def write_dflash_drafter(out: Path, cfg: dict | None = None, seed: int = 1, packed: bool = True) -> Path:
+    """The drafter folder: config.json and model.safetensors with seeded weights; ``packed``:
+    every linear layer (the decoder layers' and ``fc``) as compressed-tensors W4A16
+    (``weight_packed``, ``weight_scale``, ``weight_shape``), the norms bf16; else all bf16 and no
+    quantization_config. No embedding and no lm_head: vLLM gives the drafter the target's."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = dict(cfg or dflash_drafter_config())
+    out.mkdir(parents=True, exist_ok=True)
+    dense = dflash_drafter_tensors(cfg, seed)
+    tensors = {}
+    for name, t in dense.items():
+        base = name.removesuffix(".weight")
+        if packed and base in dflash_linear_shapes(cfg):
+            q, scale = quantize_w4(t)
+            tensors[f"{base}.weight_packed"] = pack_w4(q)
+            tensors[f"{base}.weight_scale"] = scale
+            tensors[f"{base}.weight_shape"] = torch.tensor(list(t.shape), dtype=torch.int64)
+        else:
+            tensors[name] = t
+    if not packed:
+        cfg.pop("quantization_config", None)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))  # last: the folder is complete
+    return out
+
+
+def write_dflash_models(out: Path, seed: int = 0) -> dict[str, Path]:
+    """OUT/target (dflash-hybrid, seeded weights and a tokenizer) and OUT/drafter (W4A16);
+    written once (a complete drafter folder is reused)."""
+    dirs = {"target": out / "target", "drafter": out / "drafter"}
+    if not (dirs["target"] / "config.json").exists():
+        write_model("dflash-hybrid", dirs["target"], "random", seed)
+    if not (dirs["drafter"] / "config.json").exists():
+        write_dflash_drafter(dirs["drafter"], seed=seed + 1)
+    return dirs

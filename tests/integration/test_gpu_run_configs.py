@@ -1,12 +1,16 @@
 """Every GPU run's real VllmConfig, built on the CPU (what the GPU scripts' ``--dry-run`` checked):
 the e2e runs in bf16 and float32, MTP and EAGLE3 under PP=2 and stock vLLM's EAGLE3 refusal, the
-vision model, and the checkpoints with an INT8-packed embedding. The runs' settings come from
+DFlash runs (stock on one rank, the plugin under PP=2: their configs, the executor's plan on the
+virtual pair, the W4A16 drafter's files in vLLM's own class and its kernel on SM 9.0), the vision
+model, and the checkpoints with an INT8-packed embedding. The runs' settings come from
 tests/gpu (gpu_runs, gpu_tokens, gpu_models), so a GPU test cannot boot something these did not
 build."""
 
 from __future__ import annotations
 
+import bisect
 import json
+import logging
 
 import pytest
 import torch
@@ -156,6 +160,309 @@ def test_stock_accepts_eagle3_config_and_its_worker_check_refuses(engine_config,
     model.model = decoder
     with pytest.raises(ValueError, match="Qwen3_5ForCausalLM does not support eagle3 with pipeline parallelism"):
         verify_supports_aux_hidden_states_over_pp(model, "eagle3")
+
+
+# --- DFlash next to the hybrid: stock on one rank, the plugin under PP=2 ------------------------------
+
+
+@pytest.fixture(scope="module")
+def dflash_dirs(tmp_path_factory):
+    """Config-only folders of the DFlash runs (the GPU test writes the weights)."""
+    d = tmp_path_factory.mktemp("dflash")
+    return (gm.write_config_only(gm.DFLASH_TARGET, d / "target"),
+            gm.write_config_only(gm.dflash_drafter_config(), d / "drafter"))
+
+
+def test_dflash_runs_settings(tmp_path, monkeypatch):
+    """Stock and the plugin differ only in PP, the executor and the plugin's utilization; the
+    split, mask token, prompts and lengths fit the models."""
+    monkeypatch.delenv("GDN_PREFILL_BACKEND", raising=False)
+    ks = gpu_runs.dflash_kwargs(tmp_path / "t", tmp_path / "d", 1)
+    kp = gpu_runs.dflash_kwargs(tmp_path / "t", tmp_path / "d", 2)
+    assert "distributed_executor_backend" not in ks and "pipeline_parallel_size" not in ks
+    assert "gpu_memory_utilization" not in ks  # stock keeps vLLM's default and the GPU to itself
+    assert kp.pop("distributed_executor_backend") == "dualgpu" and kp.pop("pipeline_parallel_size") == 2
+    assert kp.pop("gpu_memory_utilization") == gpu_runs.spec_kwargs(tmp_path)["gpu_memory_utilization"] == 0.3
+    assert ks == kp
+    assert ks["speculative_config"] == {"method": "dflash", "model": str(tmp_path / "d"), "num_speculative_tokens": 7}
+    assert ks["dtype"] == "bfloat16" and ks["enforce_eager"] and ks["enable_prefix_caching"]
+    assert ks["load_format"] == "auto" and ks["disable_log_stats"] is False  # real weights; get_metrics works
+    assert ks["additional_config"] == {"gdn_prefill_backend": "triton"} and ks["attention_backend"] == "TRITON_ATTN"
+    assert gpu_runs.DFLASH_ENV == {"VLLM_PP_LAYER_PARTITION": "4,4"}
+    layers = gm.DFLASH_TARGET["num_hidden_layers"]
+    assert sum(gm.DFLASH_SPLIT) == layers == 8
+    assert gm.DFLASH_TARGET["layer_types"].count("full_attention") == 2  # one attention layer per rank at 4/4
+    prompts = gpu_runs.spec_prompts()
+    vocab = gm.DFLASH_TARGET["vocab_size"]
+    assert max(map(max, prompts)) < gm.DFLASH_MASK_TOKEN_ID < vocab  # the mask is no prompt token
+    longest = max(map(len, prompts))
+    assert gm.DFLASH_WINDOW < longest  # the drafter's window slides in the long prompt
+    assert longest + gpu_runs.DFLASH_MAX_TOKENS + gpu_runs.DFLASH_TOKENS + 1 <= gpu_runs.DFLASH_MAX_MODEL_LEN
+
+
+def test_dflash_drafter_config_is_the_reference_shape_scaled():
+    ref = json.loads(gm.DFLASH_FIXTURE.read_text())
+    cfg = gm.dflash_drafter_config()
+    t = gm.DFLASH_TARGET
+    assert cfg["architectures"] == ref["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
+    assert cfg["num_hidden_layers"] == ref["num_hidden_layers"] == 5
+    assert cfg["layer_types"] == ref["layer_types"] == ["sliding_attention"] * 5
+    assert cfg["quantization_config"] == ref["quantization_config"]
+    w = cfg["quantization_config"]["config_groups"]["group_0"]["weights"]
+    assert (w["num_bits"], w["group_size"], w["symmetric"], w["strategy"]) == (4, 128, True, "group")
+    for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size"):
+        assert cfg[k] == t[k], k
+    # the reference's hidden and MLP widths are its target's too (Qwen3.8-27B-class: 5120, 17408)
+    assert (ref["hidden_size"], ref["intermediate_size"]) == (5120, 17408)
+    dfl = cfg["dflash_config"]
+    assert len(dfl["target_layer_ids"]) == len(ref["dflash_config"]["target_layer_ids"]) == 5
+    # the reference's rule: first id 1, last id L - 3, evenly between ([1, 16, 31, 46, 61] of 64)
+    assert ref["dflash_config"]["target_layer_ids"] == list(range(1, 64 - 3 + 1, 15))
+    assert dfl["target_layer_ids"] == list(range(1, t["num_hidden_layers"] - 3 + 1))
+    assert 0 <= dfl["mask_token_id"] < cfg["vocab_size"] and dfl["swa_window_size"] == gm.DFLASH_WINDOW
+
+
+@pytest.mark.slow
+def test_dflash_configs(engine_config, dflash_dirs, monkeypatch):
+    from vllm.distributed.utils import get_pp_indices
+    from vllm.model_executor.layers.linear import (
+        MergedColumnParallelLinear,
+        QKVParallelLinear,
+        ReplicatedLinear,
+        RowParallelLinear,
+    )
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+    from vllm.model_executor.models.qwen3_dflash import _resolve_layer_attention, dflash_has_any_non_causal
+    from vllm.model_executor.models.registry import ModelRegistry
+    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
+    from vllm.v1.worker.gpu.spec_decode.utils import get_parallel_drafting_token_id
+
+    from torch import nn
+    from vllm.config import VllmConfig
+
+    for k, v in gpu_runs.DFLASH_ENV.items():  # the plugin run's split, for preflight and get_pp_indices
+        monkeypatch.setenv(k, v)
+    target, drafter = dflash_dirs
+    cfgs = {pp: engine_config(**gpu_runs.dflash_kwargs(target, drafter, pp)) for pp in (1, 2)}
+    assert executor(cfgs[2]) == "DualGpuExecutor" and executor(cfgs[1]) != "DualGpuExecutor"
+    for pp, cfg in cfgs.items():
+        spec, draft, mc = cfg.speculative_config, cfg.speculative_config.draft_model_config, cfg.model_config
+        assert cfg.parallel_config.pipeline_parallel_size == pp
+        assert mc.architectures == ["Qwen3_5ForCausalLM"] and mc.is_hybrid and str(mc.dtype) == "torch.bfloat16"
+        assert cfg.cache_config.enable_prefix_caching and cfg.cache_config.mamba_cache_mode == "align"
+        assert spec.method == "dflash" and spec.num_speculative_tokens == gpu_runs.DFLASH_TOKENS
+        assert draft.architectures == ["DFlashDraftModel"] and str(draft.dtype) == "torch.bfloat16"
+        entry = ModelRegistry.models.get(draft.architecture)
+        assert f"{entry.module_name}.{entry.class_name}" == gm.DFLASH_DRAFTER_CLASS
+        # the V2 runner (the DFlashSpeculator's) takes every feature of both runs
+        assert cfg._get_v2_model_runner_unsupported_features() == []
+        assert draft.quantization == "compressed-tensors" and mc.quantization is None
+        hf = draft.hf_config
+        assert get_parallel_drafting_token_id(hf) == gm.DFLASH_MASK_TOKEN_ID < mc.get_vocab_size()
+        assert not dflash_has_any_non_causal(hf)  # every layer causal: no non-causal backend needed
+        assert [_resolve_layer_attention(hf, i) for i in range(5)] == [(gm.DFLASH_WINDOW, True)] * 5
+        assert hf.hidden_size == mc.get_hidden_size() and draft.get_vocab_size() == mc.get_vocab_size()
+        assert cfg.model_config.max_model_len == gpu_runs.DFLASH_MAX_MODEL_LEN
+    # the drafter's quantization as its workers build it: W4A16 on every linear layer, fc too
+    cfg = cfgs[2]
+    qc = VllmConfig.get_quantization_config(cfg.speculative_config.draft_model_config, cfg.load_config)
+    assert type(qc).__name__ == "CompressedTensorsConfig"
+
+    def scheme(cls, prefix):
+        layer = cls.__new__(cls)  # get_quant_method looks at the class and the prefix only
+        nn.Module.__init__(layer)
+        m = qc.get_quant_method(layer, prefix)
+        return getattr(layer, "scheme", None) if m is not None else None
+
+    first = f"model.layers.{gm.DFLASH_TARGET['num_hidden_layers']}"  # the drafter's layers follow the target's
+    for cls, prefix in ((QKVParallelLinear, f"{first}.self_attn.qkv_proj"), (RowParallelLinear, f"{first}.self_attn.o_proj"),
+                        (MergedColumnParallelLinear, f"{first}.mlp.gate_up_proj"),
+                        (RowParallelLinear, f"{first}.mlp.down_proj"), (ReplicatedLinear, "model.fc")):
+        s = scheme(cls, prefix)
+        assert type(s).__name__ == "CompressedTensorsWNA16", prefix
+        assert (s.num_bits, s.group_size, s.symmetric, str(s.quant_type)) == (4, 128, True, "uint4b8"), prefix
+    assert scheme(ParallelLMHead, "lm_head") is None
+    # the aux states: vLLM reads target_layer_ids + 1; at 4/4 rank 0 captures 2, 3, 4 and relays them
+    aux = get_eagle3_aux_layers_from_config(cfg.speculative_config)
+    assert list(aux) == [i + 1 for i in gm.DFLASH_TARGET_LAYER_IDS] == [2, 3, 4, 5, 6]
+    n = cfg.model_config.get_total_num_hidden_layers()
+    bounds = [get_pp_indices(n, r, 2) for r in range(2)]
+    assert bounds == [(0, 4), (4, 8)]
+    ranks = gm.aux_layer_ranks(aux, bounds)
+    assert ranks == {2: 0, 3: 0, 4: 0, 5: 1, 6: 1}
+    relayed = [i for i, r in ranks.items() if r == 0]
+    assert len(relayed) == bisect.bisect_right(aux, bounds[1][0]) == 3  # rank 1's slots for rank 0's states
+    assert preflight.check(cfg, 2) == []  # as with two GPUs visible
+    assert preflight.aux_relay_problem(cfg.model_config.architectures) == ""
+
+
+@pytest.mark.slow
+def test_dflash_plan_on_the_virtual_pair(engine_config, dflash_dirs, monkeypatch, tmp_path):
+    """The executor's plan for the plugin run on the CPU: NVML faked as the one H200 of a GPU
+    machine, the virtual pair the harness asks for (gpu_harness.pair_env), the engine's patches
+    applied as in EngineCore. Split 4/4 as pinned; the plan file and the executor's line give one
+    pool, which vLLM's (patched) KV planning gives the plan's KV budgets; the drafter, its weights
+    and the 3 relayed states are charged to rank 1."""
+    import os
+
+    from gpu_harness import virtual_spec
+    from plan_match import Lines
+
+    from vllm_dualgpu import plugin
+    from vllm_dualgpu.engine import kv_pricing, partition
+    from vllm_dualgpu.engine import planning as apply
+    from vllm_dualgpu.nvml import VisibleGpu
+    from vllm_dualgpu.patches.kv_cache_utils import kv_cache_configs
+    from vllm_dualgpu.process import ENGINE
+
+    plugin.ensure(frozenset({ENGINE}))
+    gib = 1024**3
+    h200 = VisibleGpu(0, "NVIDIA H200", int(140.4 * gib), 139 * gib, (9, 0), 4800.0, "GPU-a")
+    monkeypatch.setattr(apply, "read_visible_gpus", lambda: [h200])
+    for var in ("VLLM_DUALGPU_RESERVE", "CUDA_VISIBLE_DEVICES", "VLLM_DUALGPU_OBJECTIVE"):
+        monkeypatch.delenv(var, raising=False)
+    plan_file = tmp_path / "plan.json"
+    env = {**gpu_runs.DFLASH_ENV, "VLLM_DUALGPU_VIRTUAL_GPUS": virtual_spec(), "VLLM_DUALGPU_PLAN_FILE": str(plan_file)}
+    saved = dict(os.environ)
+    os.environ.update(env)
+    log = logging.getLogger("vllm.dualgpu")
+    lines, level = Lines(), log.level
+    try:
+        cfg = engine_config(**gpu_runs.dflash_kwargs(*dflash_dirs, 2))
+        cfg.parallel_config.worker_cls = apply.STOCK_WORKER  # as on a GPU machine; the plan replaces it
+        log.addHandler(lines)
+        log.setLevel(logging.INFO)
+        applied = apply.apply_plan(cfg)
+    finally:
+        log.removeHandler(lines)
+        log.setLevel(level)
+        os.environ.clear()
+        os.environ.update(saved)
+        partition._exported = None
+    plan = applied.plan
+    assert plan.partition == gm.DFLASH_SPLIT and cfg.parallel_config.assigned_physical_gpu_ids == [0, 0]
+    assert [g.capability for g in applied.gpus] == [(8, 9), (9, 0)]  # the drafter's rank presents SM 9.0
+    logged = [m for m in lines.messages if m.startswith("vllm-dualgpu plan: ")]
+    assert len(logged) == 1 and f"predicted KV pool {plan.num_blocks:,} blocks" in logged[0], logged
+    written = json.loads(plan_file.read_text())
+    assert written["num_blocks"] == plan.num_blocks > 0 and written["partition"] == gm.DFLASH_SPLIT
+    assert written["drafter"]["method"] == "dflash" and written["drafter"]["kv_layers"] == 5
+    assert written["drafter"]["sliding_window"] == gm.DFLASH_WINDOW
+    assert not [m for m in lines.messages if "vLLM's functions give this split" in m], lines.messages
+    r0, r1 = written["ranks"]
+    assert "drafter" in r1["fixed_detail"] and "drafter" not in r0["fixed_detail"]
+    # rank 1 receives rank 0's three aux states with every batch: tokens x hidden x 2 bytes each
+    hidden, tokens = gm.DFLASH_TARGET["hidden_size"], cfg.scheduler_config.max_num_batched_tokens
+    assert r1["reserve_detail"]["pp_receive_aux"] == 3 * tokens * hidden * 2
+    assert "pp_receive_aux" not in r0["reserve_detail"]
+    # vLLM's (patched) run-time planning of the plan's KV budgets gives the plan's pool and groups
+    specs = kv_pricing.rank_specs(kv_pricing.layer_specs(cfg, plan.kv), plan.kv, plan.partition)
+    with kv_pricing._layout_resolved(cfg):
+        configs = kv_cache_configs(cfg, specs, [r.kv_budget_bytes for r in plan.ranks])
+    assert [c.num_blocks for c in configs] == [plan.num_blocks] * 2
+    assert [len(c.kv_cache_groups) for c in configs] == [len(written["kv_cache"]["groups"])] * 2
+    assert len(written["kv_cache"]["groups"]) == len(plan.kv.groups)
+
+
+@pytest.fixture(scope="module")
+def dflash_drafter_dir(tmp_path_factory):
+    return gm.write_dflash_drafter(tmp_path_factory.mktemp("dflash-drafter") / "drafter")
+
+
+@pytest.mark.slow
+def test_dflash_drafter_files_load_into_vllms_class(engine_config, dflash_dirs, dflash_drafter_dir, monkeypatch):
+    """vLLM's DFlashQwen3ForCausalLM, built on the CPU from the stock run's config, loads the
+    written files through its own load_weights: every parameter but those the drafter takes from
+    the target (embedding, lm_head), the mask embedding it has no file for and the attention
+    layers' KV-cache scales (not in a checkpoint without an fp8 KV cache) is written, the
+    stacked q/k/v and gate/up rows are the files' tensors in vLLM's order, and the drafter does
+    not declare an embedding or lm_head of its own (so vLLM shares the target's)."""
+    from types import SimpleNamespace
+
+    from safetensors.torch import load_file
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import parallel_state
+    from vllm.utils.torch_utils import set_default_torch_dtype
+    from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
+
+    cfg = engine_config(**gpu_runs.dflash_kwargs(dflash_dirs[0], dflash_drafter_dir, 1))
+    monkeypatch.setattr(parallel_state, "_TP", SimpleNamespace(world_size=1, rank_in_group=0))
+    monkeypatch.setattr(parallel_state, "_PP", SimpleNamespace(world_size=1, rank_in_group=0, is_first_rank=True,
+                                                               is_last_rank=True))
+    with set_current_vllm_config(cfg), set_default_torch_dtype(cfg.model_config.dtype):
+        model = DFlashQwen3ForCausalLM(vllm_config=cfg, prefix="")
+    sentinel = -7
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(sentinel)
+    files = load_file(str(dflash_drafter_dir / "model.safetensors"))
+    with set_current_vllm_config(cfg):
+        model.load_weights(files.items())
+    shared = ("model.embed_tokens.", "lm_head.", "model.mask_embedding")
+    params = dict(model.named_parameters())
+    unwritten = [n for n, p in params.items() if bool((p == sentinel).all())]
+    assert unwritten and all(n.startswith(shared) or ".attn." in n for n in unwritten), unwritten
+    assert {n for n in unwritten if ".attn." not in n} == {"model.embed_tokens.weight", "lm_head.weight",
+                                                            "model.mask_embedding"}
+    assert not model.has_own_embed_tokens and not model.has_own_lm_head
+    assert not model.model.has_separate_mask_embedding
+    nl = cfg.speculative_config.draft_model_config.hf_config.num_hidden_layers
+    for i in range(nl):
+        for fused, parts in (("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
+                             ("mlp.gate_up_proj", ("gate_proj", "up_proj"))):
+            where = fused.split(".")[0]
+            for suffix in ("weight_packed", "weight_scale"):
+                got = params[f"model.layers.{i}.{fused}.{suffix}"]
+                want = torch.cat([files[f"layers.{i}.{where}.{p}.{suffix}"] for p in parts])
+                assert got.dtype == want.dtype and torch.equal(got, want), (i, fused, suffix)
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            for suffix in ("weight_packed", "weight_scale", "weight_shape"):
+                assert torch.equal(params[f"model.layers.{i}.{name}.{suffix}"], files[f"layers.{i}.{name}.{suffix}"])
+    for suffix in ("weight_packed", "weight_scale", "weight_shape"):
+        assert torch.equal(params[f"model.fc.{suffix}"], files[f"fc.{suffix}"])
+    assert params["model.fc.weight_packed"].shape == (1024, 5 * 1024 // 8)  # 5 target states in
+    assert "model.fc.weight" not in params and "model.layers.0.self_attn.qkv_proj.weight" not in params
+
+
+@pytest.mark.slow
+def test_dflash_drafter_w4a16_runs_machete_on_sm90(engine_config, dflash_dirs, dflash_drafter_dir, monkeypatch):
+    """vLLM's kernel choice for each of the drafter's layers on an SM 9.0 CUDA device, asked on
+    the CPU: the layer configs vLLM builds for them, and choose_mp_linear_kernel with a platform
+    stub that says CUDA 9.0 (the kernels' own checks read only that), the kernels the GPU children
+    disable (gpu_harness.PRECOMPILED_KERNELS) disabled. Machete: no FP8 activations for CUTLASS
+    W4A8, Machete comes before Marlin and Humming."""
+    from types import SimpleNamespace
+
+    from gpu_harness import PRECOMPILED_KERNELS
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import parallel_state
+    from vllm.model_executor.kernels import linear as kernels
+    from vllm.model_executor.kernels.linear.mixed_precision import cutlass, machete
+    from vllm.utils.torch_utils import set_default_torch_dtype
+    from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
+    from vllm.platforms.interface import PlatformEnum
+
+    cfg = engine_config(**gpu_runs.dflash_kwargs(dflash_dirs[0], dflash_drafter_dir, 1))
+    monkeypatch.setattr(parallel_state, "_TP", SimpleNamespace(world_size=1, rank_in_group=0))
+    monkeypatch.setattr(parallel_state, "_PP", SimpleNamespace(world_size=1, rank_in_group=0, is_first_rank=True,
+                                                               is_last_rank=True))
+    with set_current_vllm_config(cfg), set_default_torch_dtype(cfg.model_config.dtype):
+        model = DFlashQwen3ForCausalLM(vllm_config=cfg, prefix="")
+    layers = {n: m for n, m in model.named_modules() if getattr(m, "scheme", None) is not None}
+    assert len(layers) == 5 * 4 + 1  # qkv, o, gate_up, down per layer, and fc
+    sm90 = SimpleNamespace(_enum=PlatformEnum.CUDA, is_cuda=lambda: True, is_rocm=lambda: False,
+                           is_device_capability=lambda c: c == 90,
+                           get_device_capability=lambda: SimpleNamespace(major=9, minor=0, to_int=lambda: 90))
+    for module in (kernels, cutlass, machete):
+        monkeypatch.setattr(module, "current_platform", sm90)
+    monkeypatch.setenv("VLLM_DISABLED_KERNELS", PRECOMPILED_KERNELS["VLLM_DISABLED_KERNELS"])
+    chosen = {}
+    with set_current_vllm_config(cfg):
+        for name, m in layers.items():
+            config = m.scheme.kernel.config  # vLLM's MPLinearLayerConfig of this layer
+            assert config.act_type == torch.bfloat16 and config.group_size == 128 and not config.zero_points
+            chosen[name] = kernels.choose_mp_linear_kernel(config, compute_capability=90).__name__
+    assert set(chosen.values()) == {"MacheteLinearKernel"}, chosen
 
 
 # --- the vision tower on the first rank only ---------------------------------------------------------

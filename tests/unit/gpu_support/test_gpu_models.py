@@ -1,4 +1,5 @@
-"""The CPU part of gpu_models: what the presets are and what the folders written from them hold."""
+"""The CPU part of gpu_models: what the presets are and what the folders written from them hold
+(the DFlash drafter's files too: names, shapes, dtypes, and packed values read back independently)."""
 
 from __future__ import annotations
 
@@ -81,3 +82,120 @@ def test_qwen35_random_weights_include_mtp(tmp_path, preset):
     layer = {n.split("model.layers.3.", 1)[1] for n in main_names if n.startswith("model.layers.3.")}
     assert {n.split("mtp.layers.0.", 1)[1] for n in mtp_names if n.startswith("mtp.layers.0.")} == layer
     assert gm.has_mtp(out)
+
+
+# --- the DFlash drafter's files -------------------------------------------------------------------
+
+
+def unpack_int4(words, cols: int):
+    """The test's own reading of compressed-tensors' W4A16 layout: value c of a row at bits
+    4 * (c % 8) of word c // 8, stored as q + 8."""
+    import torch
+
+    col = torch.arange(cols)
+    nibbles = (words.to(torch.int64)[:, col // 8] >> (4 * (col % 8))) & 0xF
+    return nibbles - 8
+
+
+@pytest.fixture(scope="module")
+def dflash_drafter(tmp_path_factory):
+    return gm.write_dflash_drafter(tmp_path_factory.mktemp("dflash") / "drafter", seed=3)
+
+
+def test_dflash_drafter_files_hold_what_vllms_loader_maps(dflash_drafter):
+    """Names without "model." (vLLM's load_weights adds it), q/k/v and gate/up as separate
+    tensors (its loader stacks them), no embedding and no lm_head (the target's are used), every
+    linear layer as weight_packed int32 [out, in/8], weight_scale bf16 [out, in/128] and
+    weight_shape int64 [out, in]; the norms bf16."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    files = load_file(str(dflash_drafter / "model.safetensors"))
+    cfg = json.loads((dflash_drafter / "config.json").read_text())
+    assert cfg == gm.dflash_drafter_config()
+    h, inter, hd = 1024, 2048, 128  # spec-hybrid's width and MLP; heads 8 (q) and 2 (k, v) of 128
+    per_layer = {"self_attn.q_proj": (8 * hd, h), "self_attn.k_proj": (2 * hd, h), "self_attn.v_proj": (2 * hd, h),
+                 "self_attn.o_proj": (h, 8 * hd), "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h),
+                 "mlp.down_proj": (h, inter)}
+    linears = {f"layers.{i}.{n}": s for i in range(5) for n, s in per_layer.items()}
+    linears["fc"] = (h, 5 * h)  # the 5 target states, concatenated
+    norms = {f"layers.{i}.{n}.weight": d for i in range(5) for n, d in
+             (("input_layernorm", h), ("post_attention_layernorm", h), ("self_attn.q_norm", hd), ("self_attn.k_norm", hd))}
+    norms.update({"hidden_norm.weight": h, "norm.weight": h})
+    expected = {f"{n}.{s}" for n in linears for s in ("weight_packed", "weight_scale", "weight_shape")} | set(norms)
+    assert set(files) == expected
+    for name, (out, inp) in linears.items():
+        packed, scale, shape = (files[f"{name}.{s}"] for s in ("weight_packed", "weight_scale", "weight_shape"))
+        assert packed.dtype == torch.int32 and tuple(packed.shape) == (out, inp // 8), name
+        assert scale.dtype == torch.bfloat16 and tuple(scale.shape) == (out, inp // 128), name
+        assert shape.dtype == torch.int64 and shape.tolist() == [out, inp], name
+    for name, dim in norms.items():
+        t = files[name]
+        assert t.dtype == torch.bfloat16 and tuple(t.shape) == (dim,) and bool((t == 1).all()), name
+    assert not any("embed_tokens" in n or "lm_head" in n or n.startswith("model.") for n in files)
+
+
+def test_dflash_drafter_packs_what_was_quantized(dflash_drafter):
+    """The packed words unpack (the test's own reading, and compressed-tensors' unpack_from_int32)
+    to the quantized values of the drafter's seeded bf16 weights: q in [-8, 7] with q * scale
+    within half a step of the weight, which is quantize_w4's q."""
+    import torch
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+    from safetensors.torch import load_file
+
+    files = load_file(str(dflash_drafter / "model.safetensors"))
+    dense = gm.dflash_drafter_tensors(gm.dflash_drafter_config(), seed=3)
+    for name in ("layers.0.self_attn.q_proj", "layers.4.self_attn.v_proj", "layers.2.mlp.down_proj", "fc"):
+        w = dense[f"{name}.weight"].float()
+        packed, scale = files[f"{name}.weight_packed"], files[f"{name}.weight_scale"].float()
+        q = unpack_int4(packed, w.shape[1])
+        assert int(q.min()) >= -8 and int(q.max()) <= 7 and int(q.abs().max()) >= 6, name
+        assert torch.equal(q.to(torch.int8), unpack_from_int32(packed, 4, torch.Size(w.shape)))
+        assert torch.equal(pack_to_int32(q.to(torch.int8), 4), packed)
+        step = scale.repeat_interleave(128, dim=1)
+        err = (q.float() * step - w).abs()
+        assert bool((err <= step / 2 * (1 + 2**-7)).all()), (name, float((err / step).max()))
+        assert torch.equal(q.to(torch.int8), gm.quantize_w4(dense[f"{name}.weight"])[0]), name
+    # the same seed writes the same weights; another seed others
+    assert torch.equal(dense["fc.weight"], gm.dflash_drafter_tensors(gm.dflash_drafter_config(), seed=3)["fc.weight"])
+    assert not torch.equal(dense["fc.weight"], gm.dflash_drafter_tensors(gm.dflash_drafter_config(), seed=4)["fc.weight"])
+
+
+def test_dflash_drafter_in_bf16_has_no_quantization(tmp_path):
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    out = gm.write_dflash_drafter(tmp_path / "bf16", packed=False)
+    files = load_file(str(out / "model.safetensors"))
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    assert files["fc.weight"].dtype == torch.bfloat16 and tuple(files["fc.weight"].shape) == (1024, 5 * 1024)
+    assert not any(n.endswith(("weight_packed", "weight_scale", "weight_shape")) for n in files)
+
+
+def test_dflash_target_preset_is_spec_hybrid_with_its_layer_kinds():
+    cfg = gm.PRESETS["dflash-hybrid"]()
+    assert {k: v for k, v in cfg.items() if k != "layer_types"} == gm.SPEC_HYBRID
+    assert cfg["layer_types"] == (["linear_attention"] * 3 + ["full_attention"]) * 2
+
+
+@pytest.mark.slow
+def test_write_dflash_models_writes_both_folders_once(tmp_path):
+    """The GPU test's models: the target with seeded weights (mtp_tensors reads the preset's
+    layer kinds) and a tokenizer, the W4A16 drafter; a second call keeps them."""
+    import json
+
+    dirs = gm.write_dflash_models(tmp_path)
+    target, drafter = dirs["target"], dirs["drafter"]
+    assert json.loads((target / "config.json").read_text()) == gm.DFLASH_TARGET
+    names = set().union(*(gm._safetensors_names(f) for f in target.glob("*.safetensors")))
+    assert "model.layers.0.linear_attn.in_proj_qkv.weight" in names and "model.layers.3.self_attn.q_proj.weight" in names
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" in names  # what the drafter shares
+    assert (target / "tokenizer.json").exists() and gm.has_mtp(target)
+    assert json.loads((drafter / "config.json").read_text()) == gm.dflash_drafter_config()
+    stamps = {p: p.stat().st_mtime_ns for p in (target / "model.safetensors", drafter / "model.safetensors")}
+    assert gm.write_dflash_models(tmp_path) == dirs
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
