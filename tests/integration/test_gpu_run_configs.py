@@ -369,15 +369,19 @@ def dflash_drafter_dir(tmp_path_factory):
     return gm.write_dflash_drafter(tmp_path_factory.mktemp("dflash-drafter") / "drafter")
 
 
-def vllm_ops_or_skip() -> None:
-    """Building vLLM's model layers needs its compiled ops (SiluAndMul takes torch.ops._C's at
-    construction); vLLM 0.30.0's CUDA build does not load them next to the CPU build of torch."""
-    import torch
-    import vllm._custom_ops  # noqa: F401  (loads vLLM's _C where it can)
+def vllm_ops_or_skip(cfg) -> None:
+    """Building vLLM's model layers may need its compiled ops: on vLLM 0.30.0's CPU platform
+    SiluAndMul takes torch.ops._C.silu_and_mul at construction, which its CUDA build does not
+    register next to the CPU build of torch (0.33's takes it only on CUDA)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.activation import SiluAndMul
 
-    if not hasattr(torch.ops._C, "silu_and_mul"):
-        pytest.skip("vLLM's compiled ops (torch.ops._C) do not load here (vLLM 0.30.0 with the CPU build of "
-                    "torch): the drafter's layers cannot be built")
+    try:
+        with set_current_vllm_config(cfg):
+            SiluAndMul()
+    except AttributeError as exc:
+        pytest.skip(f"vLLM's model layers cannot be built here ({exc}: vLLM 0.30.0's compiled ops with the "
+                    "CPU build of torch)")
 
 
 @pytest.mark.slow
@@ -388,7 +392,6 @@ def test_dflash_drafter_files_load_into_vllms_class(engine_config, dflash_dirs, 
     layers' KV-cache scales (not in a checkpoint without an fp8 KV cache) is written, the
     stacked q/k/v and gate/up rows are the files' tensors in vLLM's order, and the drafter does
     not declare an embedding or lm_head of its own (so vLLM shares the target's)."""
-    vllm_ops_or_skip()
     from types import SimpleNamespace
 
     from safetensors.torch import load_file
@@ -398,6 +401,7 @@ def test_dflash_drafter_files_load_into_vllms_class(engine_config, dflash_dirs, 
     from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
 
     cfg = engine_config(**gpu_runs.dflash_kwargs(dflash_dirs[0], dflash_drafter_dir, 1))
+    vllm_ops_or_skip(cfg)
     monkeypatch.setattr(parallel_state, "_TP", SimpleNamespace(world_size=1, rank_in_group=0))
     monkeypatch.setattr(parallel_state, "_PP", SimpleNamespace(world_size=1, rank_in_group=0, is_first_rank=True,
                                                                is_last_rank=True))
@@ -443,7 +447,6 @@ def test_dflash_drafter_w4a16_runs_machete_on_sm90(engine_config, dflash_dirs, d
     stub that says CUDA 9.0 (the kernels' own checks read only that), the kernels the GPU children
     disable (gpu_harness.PRECOMPILED_KERNELS) disabled. Machete: no FP8 activations for CUTLASS
     W4A8, Machete comes before Marlin and Humming."""
-    vllm_ops_or_skip()
     from types import SimpleNamespace
 
     from gpu_harness import PRECOMPILED_KERNELS
@@ -456,6 +459,7 @@ def test_dflash_drafter_w4a16_runs_machete_on_sm90(engine_config, dflash_dirs, d
     from vllm.platforms.interface import PlatformEnum
 
     cfg = engine_config(**gpu_runs.dflash_kwargs(dflash_dirs[0], dflash_drafter_dir, 1))
+    vllm_ops_or_skip(cfg)
     monkeypatch.setattr(parallel_state, "_TP", SimpleNamespace(world_size=1, rank_in_group=0))
     monkeypatch.setattr(parallel_state, "_PP", SimpleNamespace(world_size=1, rank_in_group=0, is_first_rank=True,
                                                                is_last_rank=True))
