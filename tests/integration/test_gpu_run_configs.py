@@ -384,6 +384,25 @@ def vllm_ops_or_skip(cfg) -> None:
                     "CPU build of torch)")
 
 
+def dflash_drafter_on_cpu(engine_config, dflash_dirs, drafter_dir, monkeypatch):
+    """The stock run's config and vLLM's DFlashQwen3ForCausalLM built from it on the CPU (one TP
+    and PP rank); skipped where vLLM's layers cannot be built."""
+    from types import SimpleNamespace
+
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import parallel_state
+    from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    cfg = engine_config(**gpu_runs.dflash_kwargs(dflash_dirs[0], drafter_dir, 1))
+    vllm_ops_or_skip(cfg)
+    monkeypatch.setattr(parallel_state, "_TP", SimpleNamespace(world_size=1, rank_in_group=0))
+    monkeypatch.setattr(parallel_state, "_PP", SimpleNamespace(world_size=1, rank_in_group=0, is_first_rank=True,
+                                                               is_last_rank=True))
+    with set_current_vllm_config(cfg), set_default_torch_dtype(cfg.model_config.dtype):
+        return cfg, DFlashQwen3ForCausalLM(vllm_config=cfg, prefix="")
+
+
 @pytest.mark.slow
 def test_dflash_drafter_files_load_into_vllms_class(engine_config, dflash_dirs, dflash_drafter_dir, monkeypatch):
     """vLLM's DFlashQwen3ForCausalLM, built on the CPU from the stock run's config, loads the
@@ -392,21 +411,12 @@ def test_dflash_drafter_files_load_into_vllms_class(engine_config, dflash_dirs, 
     layers' KV-cache scales (not in a checkpoint without an fp8 KV cache) is written, the
     stacked q/k/v and gate/up rows are the files' tensors in vLLM's order, and the drafter does
     not declare an embedding or lm_head of its own (so vLLM shares the target's)."""
-    from types import SimpleNamespace
 
     from safetensors.torch import load_file
     from vllm.config import set_current_vllm_config
-    from vllm.distributed import parallel_state
-    from vllm.utils.torch_utils import set_default_torch_dtype
     from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
 
-    cfg = engine_config(**gpu_runs.dflash_kwargs(dflash_dirs[0], dflash_drafter_dir, 1))
-    vllm_ops_or_skip(cfg)
-    monkeypatch.setattr(parallel_state, "_TP", SimpleNamespace(world_size=1, rank_in_group=0))
-    monkeypatch.setattr(parallel_state, "_PP", SimpleNamespace(world_size=1, rank_in_group=0, is_first_rank=True,
-                                                               is_last_rank=True))
-    with set_current_vllm_config(cfg), set_default_torch_dtype(cfg.model_config.dtype):
-        model = DFlashQwen3ForCausalLM(vllm_config=cfg, prefix="")
+    cfg, model = dflash_drafter_on_cpu(engine_config, dflash_dirs, dflash_drafter_dir, monkeypatch)
     sentinel = -7
     with torch.no_grad():
         for p in model.parameters():
@@ -451,20 +461,11 @@ def test_dflash_drafter_w4a16_runs_machete_on_sm90(engine_config, dflash_dirs, d
 
     from gpu_harness import PRECOMPILED_KERNELS
     from vllm.config import set_current_vllm_config
-    from vllm.distributed import parallel_state
     from vllm.model_executor.kernels import linear as kernels
     from vllm.model_executor.kernels.linear.mixed_precision import cutlass, machete
-    from vllm.utils.torch_utils import set_default_torch_dtype
-    from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
     from vllm.platforms.interface import PlatformEnum
 
-    cfg = engine_config(**gpu_runs.dflash_kwargs(dflash_dirs[0], dflash_drafter_dir, 1))
-    vllm_ops_or_skip(cfg)
-    monkeypatch.setattr(parallel_state, "_TP", SimpleNamespace(world_size=1, rank_in_group=0))
-    monkeypatch.setattr(parallel_state, "_PP", SimpleNamespace(world_size=1, rank_in_group=0, is_first_rank=True,
-                                                               is_last_rank=True))
-    with set_current_vllm_config(cfg), set_default_torch_dtype(cfg.model_config.dtype):
-        model = DFlashQwen3ForCausalLM(vllm_config=cfg, prefix="")
+    cfg, model = dflash_drafter_on_cpu(engine_config, dflash_dirs, dflash_drafter_dir, monkeypatch)
     layers = {n: m for n, m in model.named_modules() if getattr(m, "scheme", None) is not None}
     assert len(layers) == 5 * 4 + 1  # qkv, o, gate_up, down per layer, and fc
     sm90 = SimpleNamespace(_enum=PlatformEnum.CUDA, is_cuda=lambda: True, is_rocm=lambda: False,
