@@ -414,7 +414,6 @@ def test_dflash_drafter_files_load_into_vllms_class(engine_config, dflash_dirs, 
 
     from safetensors.torch import load_file
     from vllm.config import set_current_vllm_config
-    from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
 
     cfg, model = dflash_drafter_on_cpu(engine_config, dflash_dirs, dflash_drafter_dir, monkeypatch)
     sentinel = -7
