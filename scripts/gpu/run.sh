@@ -5,7 +5,8 @@
 #
 # Run from this checkout after staging vLLM (source the staging step's environment first, or name
 # it in STAGING_ENV). Installs this checkout next to vLLM once per source tree (into DUALGPU_SITE,
-# default /tmp/dualgpu-site), and pytest and pytest-timeout from the wheels uploaded as .gputest
+# default /tmp/dualgpu-site; scripts/gpu/install_site.sh: run.sh calls started side by side wait
+# for the first one's install), and pytest and pytest-timeout from the wheels uploaded as .gputest
 # (scripts/gpu/test_wheels.sh) when the staged Python lacks them. Then, in order (default: tests):
 #   tests   pytest -m gpu tests/gpu (every test there needs a GPU; the harness's CPU tests are in
 #           tests/unit/gpu_support): OUTDIR/gpu-junit.xml (each claim, figures as properties),
@@ -34,13 +35,7 @@ cd "$(dirname "$0")/../.."
 [ -n "${STAGING_ENV:-}" ] && source "$STAGING_ENV"
 SITE=${DUALGPU_SITE:-/tmp/dualgpu-site}
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PATH="$SITE/bin:$PATH"
-src_hash=$(find vllm_dualgpu csrc kernel_configs setup.py pyproject.toml -type f ! -name '*.pyc' -print0 \
-           | sort -z | xargs -0 sha1sum | sha1sum | cut -c1-16)
-if [ "$(cat "$SITE/.source-hash" 2>/dev/null)" != "$src_hash" ]; then
-  python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade --target "$SITE" . \
-      > "$OUTDIR/install.log" 2>&1 || { tail -20 "$OUTDIR/install.log"; exit 1; }
-  echo "$src_hash" > "$SITE/.source-hash"
-fi
+bash scripts/gpu/install_site.sh "$SITE" "$OUTDIR/install.log" || exit 1
 if [ -d .gputest ]; then DUALGPU_SITE=$SITE bash scripts/gpu/test_wheels.sh install .gputest || exit 1; fi
 nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv,noheader
 status=0
