@@ -51,15 +51,20 @@ class DualGpuExecutor(PlannedExecutor, MultiprocExecutor):
         if getattr(self, "_dead_ranks_named", False):
             return
         self._dead_ranks_named = True
-        workers = getattr(self, "workers", None) or []
+        workers, gpus, tp_size = self._ranks()
         sentinels = [s for h in workers if (s := getattr(h.proc, "sentinel", None)) is not None]
         ended = set(multiprocessing.connection.wait(sentinels, timeout=0)) if sentinels else set()
         for h in workers:
             if h.proc.exitcode is None and getattr(h.proc, "sentinel", None) in ended:
                 # its pipe closes as it exits, a moment before the kernel lets it be reaped
                 h.proc.join(timeout=1.0)
-        for line in dead_rank_lines(workers, getattr(self.dualgpu, "gpus", None), getattr(self.dualgpu, "tp_size", 1)):
+        for line in dead_rank_lines(workers, gpus, tp_size):
             logger.error(line)
+
+    def _ranks(self) -> tuple[list, list | None, int]:
+        """The worker handles, the plan's GPU per rank and the TP size the rank lines name."""
+        return (getattr(self, "workers", None) or [], getattr(self.dualgpu, "gpus", None),
+                getattr(self.dualgpu, "tp_size", 1))
 
     def collective_rpc(self, method, timeout=None, *args, **kwargs):
         """vLLM's, and when a call runs past its bound (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS for a
@@ -81,5 +86,4 @@ class DualGpuExecutor(PlannedExecutor, MultiprocExecutor):
         if method_name(method) in named:
             return
         named.add(method_name(method))
-        logger.error(unanswered_line(getattr(self, "workers", None) or [], getattr(self.dualgpu, "gpus", None),
-                                     getattr(self.dualgpu, "tp_size", 1), method, timeout))
+        logger.error(unanswered_line(*self._ranks(), method, timeout))

@@ -75,7 +75,10 @@ def unanswered_line(workers, gpus, tp_size: int, method, timeout) -> str:
         proc = h.proc
         state = "Z" if getattr(proc, "exitcode", None) is not None else process_state(getattr(proc, "pid", None))
         label = rank_label(h.rank, gpus, tp_size)
-        (odd if state in STATES else others).append(f"{label} {STATES[state]}" if state in STATES else label)
+        if state in STATES:
+            odd.append(f"{label} {STATES[state]}")
+        else:
+            others.append(label)
     parts = odd + ([f"{', '.join(others)} {'is' if len(others) == 1 else 'are'} running or waiting for "
                     "another rank"] if others else [])
     advice = ("The engine fails its requests; if a step legitimately takes longer (a first compile, a long "
