@@ -393,14 +393,16 @@ def quantize(w):
     return q.to(torch.int32).reshape(v, h), scale
 
 
-def pack(q):
-    """int values [vocab, hidden] -> int32 words [vocab, hidden // PACK] (value c at bits
-    8*(c % 4) of word c // 4, stored + 128, as compressed-tensors' pack_to_int32)."""
+def pack(q, bits: int = BITS):
+    """int values [rows, cols] -> int32 words [rows, cols // (32 / bits)] (value c at bits
+    bits * (c % per) of word c // per, stored + 2**(bits - 1), as compressed-tensors'
+    pack_to_int32 along dim 1): the embedding's INT8 (8*(c % 4), + 128), W4A16's int4 (4*(c % 8), + 8)."""
     import torch
 
     v, h = q.shape
-    shifts = torch.arange(PACK, dtype=torch.int64) * BITS
-    words = ((q.to(torch.int64) + OFFSET).reshape(v, h // PACK, PACK) << shifts).sum(-1)
+    per = 32 // bits
+    shifts = torch.arange(per, dtype=torch.int64) * bits
+    words = ((q.to(torch.int64) + (1 << (bits - 1))).reshape(v, h // per, per) << shifts).sum(-1)
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
@@ -526,10 +528,7 @@ DFLASH_MASK_TOKEN_ID = 8100
 DFLASH_WINDOW = 1024
 DFLASH_DRAFTER_CLASS = "vllm.model_executor.models.qwen3_dflash.DFlashQwen3ForCausalLM"
 W4_BITS, W4_GROUP = 4, 128
-W4_PACK = 32 // W4_BITS  # values per int32 word
 W4_OFFSET = 1 << (W4_BITS - 1)  # uint4b8: stored value = q + 8
-DFLASH_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
 def dflash_drafter_config(target: dict = DFLASH_TARGET) -> dict:
@@ -588,17 +587,6 @@ def quantize_w4(w):
     return q.to(torch.int8).reshape(o, i), scale
 
 
-def pack_w4(q):
-    """int4 values [out, in] -> int32 words [out, in // 8]: value c at bits 4 * (c % 8) of word
-    c // 8, stored + 8 (compressed-tensors' pack_to_int32 with num_bits=4, packed_dim=1)."""
-    import torch
-
-    o, i = q.shape
-    shifts = torch.arange(W4_PACK, dtype=torch.int64) * W4_BITS
-    words = ((q.to(torch.int64) + W4_OFFSET).reshape(o, i // W4_PACK, W4_PACK) << shifts).sum(-1)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-
-
 def write_dflash_drafter(out: Path, cfg: dict | None = None, seed: int = 1, packed: bool = True) -> Path:
     """The drafter folder: config.json and model.safetensors with seeded weights; ``packed``:
     every linear layer (the decoder layers' and ``fc``) as compressed-tensors W4A16
@@ -610,12 +598,13 @@ def write_dflash_drafter(out: Path, cfg: dict | None = None, seed: int = 1, pack
     cfg = dict(cfg or dflash_drafter_config())
     out.mkdir(parents=True, exist_ok=True)
     dense = dflash_drafter_tensors(cfg, seed)
+    linears = dflash_linear_shapes(cfg)
     tensors = {}
     for name, t in dense.items():
         base = name.removesuffix(".weight")
-        if packed and base in dflash_linear_shapes(cfg):
+        if packed and base in linears:
             q, scale = quantize_w4(t)
-            tensors[f"{base}.weight_packed"] = pack_w4(q)
+            tensors[f"{base}.weight_packed"] = pack(q, W4_BITS)
             tensors[f"{base}.weight_scale"] = scale
             tensors[f"{base}.weight_shape"] = torch.tensor(list(t.shape), dtype=torch.int64)
         else:
