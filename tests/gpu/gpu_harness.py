@@ -303,6 +303,21 @@ def assert_applied(log: Path, kind: str, names, at_least: int = 1) -> None:
         assert not missing, f"a {kind} process did not apply {missing} (pid {pid}; its last plugin line): {line}"
 
 
+# the executor's lines naming a rank that ended or did not answer a step (engine/rank_faults.py);
+# other plugin lines say "rank 0 on GPU 0" (the reserve) or "vllm-dualgpu rank 0/2:" (summaries)
+DEAD_RANK_LINE = (r"vllm-dualgpu: (pipeline rank \d+|rank \d+ \(stage \d+, TP rank \d+\))( \(GPU \d+: [^)]*\))? "
+                  r"(was killed by signal|exited with status) ")
+UNANSWERED_LINE = r"vllm-dualgpu: no answer to \w+ within "
+
+
+def rank_fault_lines(log: Path) -> dict[str, list[str]]:
+    """The lines naming a dead rank ("dead") and an unanswered step ("unanswered"), without vLLM's
+    log prefix."""
+    def found(pattern: str) -> list[str]:
+        return [line.split("] ", 1)[-1] for line in grep(log, pattern)]
+    return {"dead": found(DEAD_RANK_LINE), "unanswered": found(UNANSWERED_LINE)}
+
+
 # --- ballast -------------------------------------------------------------------------------------
 
 

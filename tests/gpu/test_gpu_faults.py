@@ -14,8 +14,19 @@ import time
 import urllib.request
 
 import pytest
-
-from gpu_harness import VllmServer, gpu_out, grep, group_alive, model_dir, needs_pair, pair_env, plugin_lines, run_llm, tail  # noqa: F401
+from gpu_harness import (  # noqa: F401
+    VllmServer,
+    gpu_out,
+    grep,
+    group_alive,
+    model_dir,
+    needs_pair,
+    pair_env,
+    plugin_lines,
+    rank_fault_lines,
+    run_llm,
+    tail,
+)
 
 ARGS = ["--load-format", "dummy", "--enforce-eager", "--max-model-len", "2048", "--max-num-seqs", "8",
         "--gpu-memory-utilization", "0.3", "--pipeline-parallel-size", "2",
@@ -79,8 +90,6 @@ def wait_streaming(seen: dict, n: int, limit: float) -> float | None:
 
 # The plugin's lines naming a rank that died (engine/rank_faults.py dead_rank_lines) or did not
 # answer a step in time (unanswered_line).
-UNANSWERED = "vllm-dualgpu: no answer to "
-NAMING_LINE = rf"vllm-dualgpu: (pipeline )?rank \d|{UNANSWERED}"
 
 
 def run_fault(model, gpu_out, sig: int, name: str, record_property, bound: float, env: dict | None = None) -> dict:
@@ -122,7 +131,7 @@ def run_fault(model, gpu_out, sig: int, name: str, record_property, bound: float
            "requests": ended, "health_bad_after_s": health_bad_s,
            "server_exit_code_within_bound": server_exit, "group_left": group_alive(server.proc.pid),
            "workers_left": [p for p in pids if alive(p)],
-           "ranks_named": [line.split("] ", 1)[-1] for line in grep(log, NAMING_LINE)], "log_tail": tail(log, 15)}
+           "ranks_named": rank_fault_lines(log), "log_tail": tail(log, 15)}
     record_property(name, {k: v for k, v in rec.items() if k != "log_tail"})
     (gpu_out / f"{name}.json").write_text(json.dumps(rec, indent=1))
     return rec
@@ -135,7 +144,7 @@ def test_a_killed_worker_fails_every_request(model_dir, gpu_out, record_property
     assert len(rec["requests"]) == 4, f"requests still open 60 s after the kill: {rec['requests']}"
     assert all(r["end"] != "finished" or r["chunks"] < 1500 for r in rec["requests"].values()), rec["requests"]
     assert rec["health_bad_after_s"] is not None, "the server still reported healthy 60 s after the kill"
-    named = [line for line in rec["ranks_named"] if not line.startswith(UNANSWERED)]
+    named = rec["ranks_named"]["dead"]
     assert len(named) == 1 and re.match(r"vllm-dualgpu: pipeline rank 1 \(GPU \d+: .*\) was killed by signal 9 ",
                                         named[0]), f"the killed rank named (only it, while the server ran): {named}"
     assert not rec["group_left"] and not rec["workers_left"], rec
@@ -155,7 +164,7 @@ def test_a_stopped_worker_is_bounded(model_dir, gpu_out, record_property):
     # a stopped worker left /health at 200 and every stream silent for 55 s.
     assert rec["health_bad_after_s"] is not None and rec["health_bad_after_s"] < STALL_LIMIT_S + 30, rec
     assert len(rec["requests"]) == 4, f"streams still open {STALL_LIMIT_S + 60} s after the stop: {rec['requests']}"
-    named = [line for line in rec["ranks_named"] if line.startswith(UNANSWERED)]
+    named = rec["ranks_named"]["unanswered"]
     assert named and re.match(rf"vllm-dualgpu: no answer to \w+ within {STALL_LIMIT_S} s .*pipeline rank 1 "
                               r"\(GPU \d+: .*\) is stopped \(SIGSTOP", named[0]), f"the stopped rank named: {named}"
 
