@@ -44,7 +44,7 @@ def _no_objective(monkeypatch):
     ([19, 45], 376, True, 262_144, 9), ([19, 45], 375, False, 261_248, 9), ([21, 43], 191, True, 262_144, 5)])
 def test_the_experts_pool_is_planned_alike_and_warned_not_refused(engine_config, reference_dirs, monkeypatch,
                                                                     split, blocks, fits, largest, groups):
-    target, draft = reference_dirs
+    target, draft, _ = reference_dirs
     text = ",".join(map(str, split))
     monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", text)
     spec = {"method": "dflash", "model": str(draft), "num_speculative_tokens": 7}
@@ -82,7 +82,7 @@ def test_the_drafters_attention_backend_reaches_both_plans(engine_config, refere
     drafter off FlashInfer has no FlashInfer workspace of its own on the last rank. `plan` reads the
     flag's JSON and the executor vLLM's SpeculativeConfig: both see the backend and charge the
     last rank alike, one workspace less than with the drafter put on FlashInfer."""
-    target, draft = reference_dirs
+    target, draft, _ = reference_dirs
     monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "19,45")
     base = {"method": "dflash", "model": str(draft), "num_speculative_tokens": 7}
     spec = {**base, "attention_backend": "TRITON_ATTN"}
@@ -112,7 +112,7 @@ def test_zero_flags_put_the_dflash_drafter_where_the_plan_does(engine_config, re
     fp8 KV), and its plan then charges the last rank what `plan` charges for the same flags."""
     from vllm_dualgpu.engine.attention_backend import apply_common_backend, apply_drafter_backend
 
-    target, draft = reference_dirs
+    target, draft, _ = reference_dirs
     monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "19,45")
     spec = {"method": "dflash", "model": str(draft), "num_speculative_tokens": 7}
     cli_model, cli_req = cli_request(target, SERVING + ["--speculative-config", json.dumps(spec),
@@ -140,7 +140,7 @@ def test_zero_flags_put_the_dflash_drafter_where_the_plan_does(engine_config, re
 def test_an_mtp_drafter_keeps_the_targets_backend(engine_config, reference_dirs):
     from vllm_dualgpu.engine.attention_backend import apply_drafter_backend
 
-    target, _ = reference_dirs
+    target, _, _ = reference_dirs
     cfg = engine_config(model=str(target), load_format="dummy", skip_tokenizer_init=True, pipeline_parallel_size=2,
                         distributed_executor_backend="dualgpu", max_model_len=262144, kv_cache_dtype="fp8",
                         max_num_seqs=2, max_num_batched_tokens=1024,

@@ -178,6 +178,8 @@ def test_mtp_command(qwen3_5_hybrid_config, tmp_path):
 
 
 DRAFTER = Path(__file__).resolve().parents[1] / "fixtures" / "dflash2_drafter_standin.json"
+# the public Qwen3.8-27B DFlash2 drafter's config (DFlash2DraftModel: convolutions, a candidate selector)
+DFLASH2 = Path(__file__).resolve().parents[1] / "fixtures" / "dflash2_drafter.json"
 # The reference launchers' serving flags (docs/headline-analysis.md), drafter aside.
 LAUNCHER = ["--max-model-len", "262144", "--kv-cache-dtype", "fp8", "--enable-prefix-caching",
             "--max-num-seqs", "2", "--max-num-batched-tokens", "1024"]
@@ -192,12 +194,15 @@ def reference_dirs(tmp_path_factory):
     (d / "drafter").mkdir()
     (d / "target" / "config.json").write_text(json.dumps(cfg))
     (d / "drafter" / "config.json").write_text(DRAFTER.read_text())
-    return d / "target", d / "drafter"
+    (d / "dflash2").mkdir()
+    (d / "dflash2" / "config.json").write_text(DFLASH2.read_text())
+    return d / "target", d / "drafter", d / "dflash2"
 
 
-@pytest.mark.parametrize("drafter,grouping", [("dflash", "searched"), ("dflash", "own"), ("mtp", "searched"),
-                                              ("mtp", "own")])
-def test_reference_launcher_same_split_under_the_default_objective(engine_config, reference_dirs, drafter, grouping):
+@pytest.mark.parametrize("drafter,grouping", [("dflash", "searched"), ("dflash", "own"), ("dflash2", "searched"),
+                                              ("mtp", "searched"), ("mtp", "own")])
+def test_reference_launcher_same_split_under_the_default_objective(engine_config, reference_dirs, drafter, grouping,
+                                                                    monkeypatch):
     """The bundled reference on the reference pair with the launchers' flags and zero flags of
     the plugin's: `plan` and the executor ask with the default objective and choose the same
     split, pool and pool-objective alternative; the split is the fastest predicted among those
@@ -209,9 +214,11 @@ def test_reference_launcher_same_split_under_the_default_objective(engine_config
     from vllm.platforms.cpu import CpuPlatform
 
     vllm.platforms._current_platform = CpuPlatform()
-    target, draft = reference_dirs
-    spec = ({"method": "dflash", "model": str(draft), "num_speculative_tokens": 7} if drafter == "dflash"
-            else {"method": "mtp", "num_speculative_tokens": 3})
+    target, draft, draft2 = reference_dirs
+    if drafter == "dflash2":  # vLLM refuses it under the V1 runner the CPU platform would pick; GPUs run V2
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    spec = ({"method": "dflash", "model": str(draft2 if drafter == "dflash2" else draft), "num_speculative_tokens": 7}
+            if drafter.startswith("dflash") else {"method": "mtp", "num_speculative_tokens": 3})
     argv = LAUNCHER + ["--speculative-config", json.dumps(spec)]
     cfg = engine_config(model=str(target), load_format="dummy", skip_tokenizer_init=True,
                         pipeline_parallel_size=2, distributed_executor_backend="dualgpu",

@@ -36,7 +36,7 @@ from vllm_dualgpu.cli import build_parser, main  # noqa: E402
 from vllm_dualgpu.cli import plan as cli_plan  # noqa: E402
 
 DOC = ROOT / "docs" / "planner.md"
-DRAFTER = ROOT / "tests" / "fixtures" / "dflash2_drafter_standin.json"
+DRAFTER = ROOT / "tests" / "fixtures" / "dflash2_drafter.json"
 PAIR = "RTX 5090:display=yes,RTX 4070 Ti SUPER:display=no"  # the reference box: its desktop on the RTX 5090
 CONTEXT = 262_144
 # The recipes' "Planned with" weight formats (docs/recipes.md)

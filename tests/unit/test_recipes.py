@@ -19,7 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "recipes.md"
-DRAFTER = ROOT / "tests" / "fixtures" / "dflash2_drafter_standin.json"
+DRAFTER = ROOT / "tests" / "fixtures" / "dflash2_drafter.json"
 GIB = 1 << 30
 
 

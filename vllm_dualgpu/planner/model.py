@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vllm_dualgpu.planner.dflash import dflash2_extras, fc_bytes
 from vllm_dualgpu.planner.errors import BadRequest, UnsupportedModel
 from vllm_dualgpu.planner.formats import FormatResolver, dense_format
 
@@ -465,7 +466,7 @@ class DrafterSpec:
         if "dflash" in method:
             dfl = text.get("dflash_config") or {}
             n_feat = len(dfl.get("target_layer_ids") or text.get("target_layer_ids") or []) or d.num_layers
-            fc = n_feat * H * H * db + H * db
+            fc = fc_bytes(dcfg, n_feat, str(spec.get("draft_weight_format") or "auto"))
             passes = 1
         elif "eagle3" in method:
             fc = 3 * H * H * db
@@ -492,6 +493,10 @@ class DrafterSpec:
         weights = sum(d.layer_weight_bytes) + fc + d.final_norm_bytes
         head_read = own_head or target.lm_head_bytes
         read = sum(layer.decode_read_bytes for layer in d.layers) + fc + head_read
+        extras = dflash2_extras(dcfg, k, str(spec.get("draft_weight_format") or "auto")) if "dflash" in method else None
+        if extras:
+            weights += extras.weight_bytes
+            read += extras.decode_read_bytes
         return cls(
             method or "draft_model",
             k,
@@ -504,7 +509,7 @@ class DrafterSpec:
             lm_head_bytes=own_head,
             decode_read_bytes=read,
             passes=passes,
-            name=f"{method} drafter ({d.num_layers} layers, {d.weight_format}"
+            name=f"{'DFlash2' if extras else method} drafter ({d.num_layers} layers, {d.weight_format}"
                  + (f", sliding window {window:,}" if window else "") + ")",
             sliding_window=window,
             aux_layers=tuple(sorted(set(aux))),

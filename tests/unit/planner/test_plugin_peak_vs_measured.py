@@ -80,17 +80,24 @@ def whole_run_peak_mib(rank: dict) -> float:
 # (20 + 20 MiB on the W8A16 + DFlash2 arm's rank 1 at 19/45, 20 MiB on FP8 + MTP's): the plan may hold
 # one block fewer than the executor of the run asked; the next run records the new question.
 BLOCKS_SINCE = 1
+# Priced lower since these runs: the DFlash drafter's fc in its checkpoint's W4A16 (the run's plan
+# had it in bf16; vLLM holds it packed, tests/unit/planner/test_dflash_drafter.py), 194,560,000
+# bytes less on the drafter's rank: up to 5 blocks of 38.6 MiB more in the plan.
+FC_REPRICED = {"w8a16-dflash2": 194_560_000, "fp8-mtp": 0}
 
 
 @pytest.mark.parametrize("launcher", list(ARMS))
 def test_plan_asks_what_the_executor_asked(launcher, write_config):
     p, r = planned(launcher, write_config), ran(launcher)
     assert p["partition"] == r["partition"] and p["block_size"] == r["block_size"]
-    assert 0 <= r["num_blocks"] - p["num_blocks"] <= BLOCKS_SINCE, (p["num_blocks"], r["num_blocks"])
+    more = FC_REPRICED[launcher] // (r["ranks"][-1]["kv_cache_bytes"] // r["num_blocks"])
+    assert -more <= r["num_blocks"] - p["num_blocks"] <= BLOCKS_SINCE, (p["num_blocks"], r["num_blocks"])
     for mine, theirs in zip(p["ranks"], r["ranks"]):
         per_block = theirs["kv_cache_bytes"] // r["num_blocks"]
         assert mine["kv_cache_bytes"] == per_block * p["num_blocks"]
         assert abs(mine["weights_bytes"] - theirs["weights_bytes"]) <= 16 * MIB  # the run read the checkpoint
+    # the drafter is among the last rank's fixed costs (to 64 KiB: small terms moved since)
+    assert abs(r["ranks"][-1]["fixed_bytes"] - p["ranks"][-1]["fixed_bytes"] - FC_REPRICED[launcher]) <= 1 << 16
 
 
 @pytest.mark.parametrize("launcher", list(ARMS))

@@ -11,7 +11,7 @@ from pathlib import Path
 from vllm_dualgpu import planner as P
 
 ROOT = Path(__file__).resolve().parents[3]
-DRAFTER = json.loads((ROOT / "tests" / "fixtures" / "dflash2_drafter_standin.json").read_text())
+DRAFTER = json.loads((ROOT / "tests" / "fixtures" / "dflash2_drafter.json").read_text())
 
 
 def fitted(gpus: str, reserve_hint: bool = True) -> P.Fit:
