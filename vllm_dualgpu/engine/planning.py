@@ -295,28 +295,19 @@ def _handoff(result, ranked: list[VisibleGpu], user_partition, stages=None,
     return handoff.Handoff(tuple(ranks), tuple(result.partition), source, tp)
 
 
-# A predicted shortfall this small is left to vLLM's measurement (the memory model is an estimate;
-# docs/benchmarks.md): the split is planned for what fits, and vllm_dualgpu.engine.context_fit checks after
-# profiling. A larger one fails here, before any weights load.
-CONTEXT_MARGIN = 0.05
-
-
 def plan_or_explain(model, facts, request, kv_groupings=None, reserve_hint: bool = False):
+    """The plan at the requested length, or the planner's ContextTooLong (what fits, what to do).
+
+    A length the plan predicts short, however little, is refused here, before any weights load:
+    after profiling each rank's KV room is at most the plan's KV budget
+    (:func:`vllm_dualgpu.engine.context_fit.cap_to_plan`) and the context is checked on those
+    figures with vLLM's arithmetic, so vLLM's measurement cannot make it fit."""
     from vllm_dualgpu.planner import fit
 
     f = fit(model, facts, request, kv_groupings=kv_groupings, reserve_hint=reserve_hint)
     if f.fits:
         return f.plan
-    if f.largest_max_model_len < (1 - CONTEXT_MARGIN) * f.requested_max_model_len:
-        raise f.error
-    logger.warning(
-        "vllm-dualgpu: --max-model-len %s is predicted to need %.1f%% more KV cache than "
-        "fits (largest predicted %s); continuing with that split, vLLM's measurement after "
-        "profiling decides",
-        f"{f.requested_max_model_len:,}", 100.0 * (f.requested_max_model_len / max(f.largest_max_model_len, 1) - 1),
-        f"{f.largest_max_model_len:,}",
-    )
-    return f.plan
+    raise f.error
 
 
 def _write_plan_file(result, ranked: list[VisibleGpu], positions: list[int] | None = None,

@@ -224,22 +224,6 @@ def test_context_far_too_long_fails_before_weights_load(make_config, big_first_p
         apply.apply_plan(make_config(max_model_len=262144))
 
 
-def test_context_just_past_the_prediction_is_left_to_measurement(make_config, big_first_pair, caplog):
-    """Within 5% of the predicted limit the plan goes ahead; vLLM's profiling decides."""
-    import os
-
-    from vllm_dualgpu.planner import ContextTooLong
-
-    with pytest.raises(ContextTooLong) as err:
-        apply.apply_plan(make_config(max_model_len=262144))
-    largest = err.value.largest_fitting_max_model_len
-    caplog.set_level(logging.WARNING, logger="vllm.dualgpu")
-    logging.getLogger("vllm.dualgpu").propagate = True
-    applied = apply.apply_plan(make_config(max_model_len=int(largest * 1.03)))
-    assert os.environ["VLLM_PP_LAYER_PARTITION"] == ",".join(map(str, applied.plan.partition))
-    assert any("predicted to need" in r.getMessage() for r in caplog.records)
-
-
 def test_block_size_is_an_override_only_when_the_user_gave_it(make_config):
     """vLLM fills in a default block size; the plan must not report it as the user's choice."""
     assert apply.plan_request(make_config(), None).block_size is None

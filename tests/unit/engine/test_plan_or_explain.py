@@ -1,19 +1,17 @@
-"""The executor's planning step reads a short context from ``fit()``: within 5% of the largest
-that fits it goes ahead with the plan at that length (vLLM's profiling decides), further off
-it raises the planner's ContextTooLong.
+"""The executor's planning step reads a short context from ``fit()``: any shortfall raises the
+planner's ContextTooLong before weights load (after profiling the KV room is capped at the plan's
+budget, so vLLM's measurement cannot make it fit: tests/integration/engine/
+test_short_context_refused_before_load.py).
 
 The tiny 4-layer model on a 4 MiB + 8 MiB pair holds one request of 2,784 tokens (worked out by
-hand in tests/unit/planner/test_fit.py): 2,784 >= 0.95 x 2,930 = 2,783.5, but < 0.95 x 2,931.
+hand in tests/unit/planner/test_fit.py).
 """
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 
 from vllm_dualgpu.engine.planning import plan_or_explain
-from vllm_dualgpu.log import logger
 from vllm_dualgpu.planner import ContextTooLong, GpuFacts, MemoryModel, ModelSpec, PlanRequest
 
 MIB = 1 << 20
@@ -41,13 +39,9 @@ def test_fits_returns_the_plan_at_the_requested_length(tiny):
     assert p.max_model_len == 2048 and p.partition == [1, 3]
 
 
-def test_just_short_goes_ahead_with_the_largest_and_warns(tiny, caplog, monkeypatch):
-    monkeypatch.setattr(logger, "propagate", True)
-    caplog.set_level(logging.WARNING, logger=logger.name)
-    p = plan_or_explain(tiny, PAIR, PlanRequest(max_model_len=2930, memory=ZERO))
-    assert p.max_model_len == 2784 and p.partition == [1, 3]
-    msgs = [r.getMessage() for r in caplog.records]
-    assert any("--max-model-len 2,930 is predicted to need" in m and "largest predicted 2,784" in m for m in msgs), msgs
+def test_just_short_is_refused_too(tiny):
+    with pytest.raises(ContextTooLong, match=r"--max-model-len 2,785 does not fit: the largest that fits is 2,784 \(layer split 1/3\)"):
+        plan_or_explain(tiny, PAIR, PlanRequest(max_model_len=2785, memory=ZERO))
 
 
 def test_further_short_raises_context_too_long(tiny):
