@@ -62,9 +62,13 @@ class DualGpuExecutor(PlannedExecutor, MultiprocExecutor):
             logger.error(line)
 
     def _ranks(self) -> tuple[list, list | None, int]:
-        """The worker handles, the plan's GPU per rank and the TP size the rank lines name."""
-        return (getattr(self, "workers", None) or [], getattr(self.dualgpu, "gpus", None),
-                getattr(self.dualgpu, "tp_size", 1))
+        """The worker handles, the plan's GPU per rank and the TP size the rank lines name (vLLM's
+        own where the executor runs as stock: no plan, but TP ranks are still TP ranks)."""
+        if self.dualgpu is not None:
+            tp_size = getattr(self.dualgpu, "tp_size", 1)
+        else:
+            tp_size = getattr(getattr(self, "parallel_config", None), "tensor_parallel_size", 1) or 1
+        return (getattr(self, "workers", None) or [], getattr(self.dualgpu, "gpus", None), tp_size)
 
     def collective_rpc(self, method, timeout=None, *args, **kwargs):
         """vLLM's, and when a call runs past its bound (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS for a
