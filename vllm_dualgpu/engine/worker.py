@@ -34,6 +34,21 @@ def kv_backing_bytes(kv_cache_config) -> int:
     return max((t.size for t in kv_cache_config.kv_cache_tensors), default=0)
 
 
+def pool_tokens(vllm_config, kv_cache_config) -> int | None:
+    """The tokens this pool holds as vLLM counts them ("GPU KV cache size": requests of
+    --max-model-len it holds at once, x that length): a request takes blocks in every KV cache
+    group (a hybrid's attention and state groups, a drafter's own), so it is not blocks x block
+    size where there is more than one group. None where vLLM cannot say (the summary line then
+    says blocks x block size; it never stops a boot)."""
+    try:
+        from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
+
+        concurrency = get_max_concurrency_for_kv_cache_config(vllm_config, kv_cache_config)
+        return int(concurrency * vllm_config.model_config.max_model_len)
+    except Exception:
+        return None
+
+
 def profiled_vs_predicted(requested: int, available_kv: int, predicted: int | None) -> str:
     """vLLM's profile of this rank (what it charges besides the KV cache) against the plan.
 
@@ -374,7 +389,7 @@ class DualGpuWorker(Worker):
         rank_summary.note("layers", f"{split[pp_rank]} of {'/'.join(map(str, split))}" if split and len(split) == pp_size else "even split")
         rank_summary.note("weights", _gib(self.model_runner.model_memory_usage))
         rank_summary.note("KV", f"{_gib(getattr(self, '_dualgpu_kv_bytes', 0))}, {kv} blocks x {self.cache_config.block_size} tokens" if kv else "n/a")
-        kv_tokens = kv * self.cache_config.block_size if kv else 0
+        kv_tokens = (getattr(self, "_dualgpu_pool_tokens", None) or kv * self.cache_config.block_size) if kv else 0
         if kv_tokens:
             ctx = min(kv_tokens, self.model_config.max_model_len)
             rank_summary.note("max context", f"{ctx:,} tokens (pool {kv_tokens:,})")
@@ -394,6 +409,7 @@ class DualGpuWorker(Worker):
     def initialize_from_config(self, kv_cache_config) -> None:
         super().initialize_from_config(kv_cache_config)
         self._dualgpu_kv_bytes = kv_backing_bytes(kv_cache_config)
+        self._dualgpu_pool_tokens = pool_tokens(self.vllm_config, kv_cache_config)
         self.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
 
     def _pp_position(self) -> tuple[int, int]:
