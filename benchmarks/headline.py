@@ -23,8 +23,12 @@ are not), W8A16 (compressed-tensors, int8 per channel), FP8 (block 128). The mod
 under ``--models`` (default ``$XDG_CACHE_HOME`` or ``~/.cache``, then ``vllm-dualgpu/headline-models``),
 not under OUTDIR, one folder per content (``kept_folder``): vLLM hashes the model's and the
 drafter's paths into its torch.compile cache key, so runs into other OUTDIRs reuse the graphs. The DFlash2 drafter is
-the stand-in config the recipes are planned with (tests/fixtures/dflash2_drafter_standin.json:
-5 layers of the target's width, W4A16, sliding-window attention), dummy weights too. Every arm:
+the public Qwen3.8-27B DFlash2 drafter's config the recipes are planned with (tests/fixtures/dflash2_drafter.json:
+``DFlash2DraftModel``, 5 layers of the target's width with a 2,048-token sliding window, two grouped
+convolutions a layer and a candidate selector, W4A16; vLLM runs it as DFlash2Qwen3ForCausalLM with
+its V2 runner's DFlash2Speculator), dummy weights too. The runs before 2026-12-03 ran a stand-in
+without the convolutions and the selector (tests/fixtures/dflash2_drafter_standin.json, a
+``DFlashDraftModel`` with a 4,096-token window). Every arm:
 the launcher's drafter (DFlash2 with 7 tokens, or MTP with 3), the vision tower on, fp8 KV,
 max_model_len 262,144, --max-num-seqs 2 --max-num-batched-tokens 1024, prefix caching.
 
@@ -86,7 +90,7 @@ from model_folders import add_models_option, kept_folder  # noqa: E402
 
 FREE = [16.0, 32.0]  # GiB per card, the small card first
 VIRTUAL = "RTX 4070 Ti SUPER:16GiB,RTX 5090:32GiB:display=yes"  # --virtual's default: the reference pair (its desktop on the RTX 5090)
-DRAFTER_CONFIG = ROOT / "tests" / "fixtures" / "dflash2_drafter_standin.json"
+DRAFTER_CONFIG = ROOT / "tests" / "fixtures" / "dflash2_drafter.json"
 NUM_LAYERS = 64
 MAX_MODEL_LEN = 262_144
 MTP = {"method": "mtp", "num_speculative_tokens": 3}
@@ -107,13 +111,15 @@ EXPERT = {
 }
 # What the expert arm runs: the reference's rule (one 262,144-token request) under the KV grouping
 # vLLM 0.33 forms with this package's patches for 9e9 bytes on each rank. At 19/45 that grouping
-# is the reference's (2 attention + 6 GDN groups of 8, the window group): 2 x 158 + 6 x 9 + 5 + 1
-# null block = 376. At 13/51 and 21/43 it is 4 groups of 16 and the window group: 158 + 3 x 9 + 5
-# + 1 = 191 (the reference's 375 there would be 375 blocks of that larger grouping: past the RTX
-# 5090). MTP's 180 already counts the null block. tests/integration/test_expert_flags_plan.py
+# is the reference's (2 attention + 6 GDN groups of 8, the window group of the DFlash2 drafter's
+# 2,048-token window: cdiv(2,047 + 2 x 1,024, 1,664) + 1 = 4): 2 x 158 + 6 x 9 + 4 + 1 null block
+# = 375, the reference's own count. At 13/51 and 21/43 it is 4 groups of 16 and the window group:
+# 158 + 3 x 9 + 4 + 1 = 190 (the reference's 375 there would be 375 blocks of that larger grouping:
+# past the RTX 5090). The runs before 2026-12-03, with the stand-in's 4,096-token window (5 window
+# blocks), ran 376 and 191. MTP's 180 already counts the null block. tests/integration/test_expert_flags_plan.py
 # prices two of them by hand; tests/unit/test_headline_expert_blocks.py holds every one to the
 # planner's grouping, tests/integration/engine/test_headline_expert_plan.py to the executor's.
-EXPERT_BLOCKS = {"nvfp4-dflash2": 191, "w8a16-dflash2": 376, "fp8-dflash2": 191, "fp8-mtp": 180}
+EXPERT_BLOCKS = {"nvfp4-dflash2": 190, "w8a16-dflash2": 375, "fp8-dflash2": 190, "fp8-mtp": 180}
 EXPERT_COMMON = {"kv_cache_memory_bytes": 9_000_000_000, "cudagraph_mode": "PIECEWISE"}
 MTP_BLOCK = 1600  # vLLM's hybrid block size at 3 MTP tokens (the MTP launcher's BLOCK)
 SPLIT_STEPS = (-2, 2)

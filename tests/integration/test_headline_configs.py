@@ -25,6 +25,13 @@ def executor(cfg) -> str:
     return getattr(backend, "__name__", str(backend))
 
 
+@pytest.fixture(autouse=True)
+def _v2_runner(monkeypatch):
+    """The GPUs run vLLM's V2 model runner; the CPU platform would pick V1, under which vLLM
+    refuses the DFlash2 drafter ("Model Runner V1 does not support: DFlash candidate-head drafts")."""
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     return hl.write_models(tmp_path_factory.mktemp("headline"))

@@ -20,7 +20,7 @@ from vllm_dualgpu.envs import HEADLESS_RESERVE_BYTES  # noqa: E402
 from vllm_dualgpu.patching.runtime import runtime_assumptions  # noqa: E402
 from vllm_dualgpu.planner import ModelSpec, PlanRequest, fit, parse_gpus, reference_config  # noqa: E402
 
-DRAFTER = ROOT / "tests" / "fixtures" / "dflash2_drafter_standin.json"
+DRAFTER = ROOT / "tests" / "fixtures" / "dflash2_drafter.json"
 # the recipes' weight formats (docs/recipes.md "Planned with"; the headline's dummy checkpoints)
 FORMAT = {"nvfp4-dflash2": "mlp=nvfp4,attention=fp8,linear_attention=fp8", "w8a16-dflash2": "int8",
           "fp8-dflash2": None, "fp8-mtp": None}
