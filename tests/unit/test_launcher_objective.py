@@ -135,9 +135,9 @@ def doc_rows() -> dict[str, str]:
 
 # Issue 26's criterion; these launchers no longer hold 262,144 tokens under the plan (strict:
 # this fails the day they fit again, and the marks go)
-_NOT_YET = ("does not fit 262,144 under the calibrated plan (242,256 tokens at 19/45): the W8A16 + DFlash2 "
-            "expert's own flags peaked 6 MiB under the big card less its 1 GiB display reserve, and the plan "
-            "predicts its peaks 197-205 MiB high")
+_NOT_YET = ("does not fit 262,144 under the calibrated plan (240,608 tokens at 19/45 with the public DFlash2 "
+            "drafter): the RTX 5090 keeps 1 GiB free for its display; 262,144 fits keeping 496 MiB "
+            "(docs/planner.md), not yet run at 262,144")
 CRITERION = [pytest.param(name, marks=[pytest.mark.xfail(strict=True, raises=AssertionError, reason=_NOT_YET)])
              if name in ("w8a16-dflash2", "fp8-dflash2") else name for name in hl.LAUNCHERS]
 
