@@ -101,6 +101,9 @@ def assert_same(cli, executor):
     # The predictions agree to 1e-6: the DFlash drafter's config as vLLM gives it to the executor
     # lacks its model_type "qwen3", so the executor counts no q/k norms in it (5 x 2 x 128 x 2 bytes).
     assert a.predicted_decode_ms == pytest.approx(b.predicted_decode_ms, rel=1e-6)
+    # the same drafter on both sides (a DFlash2 one by its architecture, which the executor reads
+    # from vLLM's draft config)
+    assert [p.drafter.name if p.drafter else None for p in (a, b)] == [a.drafter.name if a.drafter else None] * 2
     return a
 
 
@@ -228,6 +231,7 @@ def test_reference_launcher_same_split_under_the_default_objective(engine_config
     result = assert_same(cli, ex)
     assert result.objective == "speed" and result.max_model_len == 262144
     assert result.drafter is not None and result.drafter.num_speculative_tokens == spec["num_speculative_tokens"]
+    assert result.drafter.name.startswith("DFlash2 drafter") == (drafter == "dflash2"), result.drafter.name
     # the rule, checked against every split forced on the same question
     model, request = ex
     layout = result.kv if grouping == "searched" else None
