@@ -7,8 +7,8 @@ per full-attention layer) with one MTP layer; transformers has no MTP module, so
 (named as in Qwen3.5 checkpoints, shaped from the model's own full-attention layer) are written
 here to ``model-mtp.safetensors``. A random drafter rarely agrees with the target: the tokens stay
 the target's greedy tokens. Also the EAGLE3 drafter, the vision model, the checkpoint pair with
-an INT8-packed embedding, and a DFlash drafter of the reference DFlash2 shape (W4A16 packed, seeded
-weights) next to the hybrid. Importable without torch (CPU tests build vLLM configs from these).
+an INT8-packed embedding, and a scaled-down DFlash2 drafter (W4A16 packed, seeded weights) next to
+the hybrid. Importable without torch (CPU tests build vLLM configs from these).
 """
 
 from __future__ import annotations
@@ -477,25 +477,33 @@ def embed_expected(dirs: dict[str, Path]) -> dict:
             "dense_table_sha256": table_sha256(table)}
 
 
-# --- a DFlash drafter of the reference DFlash2 shape, next to the hybrid -------------------------
+# --- a scaled-down DFlash2 drafter, next to the hybrid ---------------------------------------------
 
 # vLLM 0.33.0 file:line under site-packages/vllm/. The reference drafter (DFLASH_FIXTURE, the
-# headline's DFlash2 stand-in) is "DFlashDraftModel": model_executor/models/registry.py:664 maps it
-# to qwen3_dflash.DFlashQwen3ForCausalLM (EAGLEConfig keeps a name that starts with "DFlash",
-# transformers_utils/configs/eagle.py:65-74) and v1/worker/gpu/spec_decode/__init__.py:48-52 runs it
-# with the V2 runner's DFlashSpeculator. What the drafter holds of its own
-# (model_executor/models/qwen3_dflash.py): its decoder layers (q/k/v/o, q_norm/k_norm, gate/up/down,
-# two layer norms; the loader stacks q/k/v and gate/up, :403-409), ``fc`` over the concatenated
-# target states (len(target_layer_ids) x hidden -> hidden, :476-487, sized by
-# _get_dflash_fc_input_size :84-93), ``hidden_norm`` and ``norm``. Its embedding and lm_head are the
-# target's: load_weights drops ``embed_tokens`` when the checkpoint has none (:883-884), the lm_head
-# is shared unless the checkpoint ships one (has_own_lm_head, models/utils.py:1195-1198;
+# public DFlash2 drafter's config) is "DFlash2DraftModel": model_executor/models/registry.py:666
+# maps it to qwen3_dflash2.DFlash2Qwen3ForCausalLM, which v1/worker/gpu/spec_decode/__init__.py:42-47
+# runs with the V2 runner's DFlash2Speculator (the V1 runner refuses it: "DFlash candidate-head
+# drafts", config/vllm.py:3133-3137). It is DFlash's model (model_executor/models/qwen3_dflash.py:
+# decoder layers with q/k/v/o, q_norm/k_norm, gate/up/down and two layer norms, the loader stacking
+# q/k/v and gate/up, :403-409; ``fc`` over the concatenated target states, len(target_layer_ids) x
+# hidden -> hidden, :476-487; ``hidden_norm`` and ``norm``) plus, in qwen3_dflash2.py, two grouped
+# convolutions a layer (``attention_conv``, ``mlp_conv``, :260-265: DFlashGroupedConv, :170-203, a
+# ``base_kernel`` [2, taps, hidden] in the model dtype and a ``kernel_projection`` hidden ->
+# 2 x taps x hidden / group built with the quantization config) and a ``candidate_selector``
+# (:314-340, :382-389: ``predecessor_codebook`` and ``successor_codebook`` [vocab, rank] and a
+# ``hidden_projection`` hidden -> rank built with quant_config=None, :337: a plain bf16 ``weight``,
+# whatever the quantization config's ``ignore`` says). Its embedding and lm_head are the target's:
+# load_weights drops ``embed_tokens`` when the checkpoint has none (qwen3_dflash.py:883-884), the
+# lm_head is shared unless the checkpoint ships one (has_own_lm_head, models/utils.py:1195-1198;
 # v1/worker/gpu/spec_decode/dflash/utils.py:62-73), and the embedding through
 # maybe_share_target_embed (v1/worker/gpu/spec_decode/eagle/utils.py:45-77; the class declares
 # has_own_embed_tokens through SupportsEagle, models/interfaces.py:1549, so vLLM shares under PP
 # too; Qwen3.5 keeps embed_tokens on every rank, models/qwen3_5.py:251). Checkpoint names carry no
-# "model." prefix: load_weights adds it to everything but lm_head (qwen3_dflash.py:866-867). Under
-# ``sliding_attention`` every layer is causal (:62-73): no non-causal attention backend needed.
+# "model." prefix: load_weights adds it to everything but lm_head (qwen3_dflash.py:866-867). The
+# reference says ``is_causal: false``, which decides every layer (:62-66): the drafter attends
+# non-causally, so vLLM picks a non-causal-capable backend for it (spec_decode/dflash/utils.py:26-33,
+# dflash/speculator.py:71-75); its window is the top-level ``sliding_window`` (the reference has no
+# dflash_config.swa_window_size, :146-149).
 #
 # W4A16 on SM 9.0: compressed-tensors' group-128 symmetric int4 is CompressedTensorsWNA16
 # (model_executor/layers/quantization/compressed_tensors/schemes/compressed_tensors_wNa16.py:
@@ -507,63 +515,89 @@ def embed_expected(dirs: dict[str, Path]) -> dict:
 # 128, every layer here), an op of vLLM's compiled _C (_custom_ops.py:1357-1362), nothing built on
 # first use. The H200 runs stock and the plugin's last rank (the drafter's); rank 0 (SM 8.9) holds
 # no drafter.
-DFLASH_FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "dflash2_drafter_standin.json"
+DFLASH_FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "dflash2_drafter.json"
 # The target: spec-hybrid with its layer kinds written out (mtp_tensors reads them), seeded weights.
 DFLASH_TARGET = {**SPEC_HYBRID, "layer_types": [
     "full_attention" if (i + 1) % SPEC_HYBRID["full_attention_interval"] == 0 else "linear_attention"
     for i in range(SPEC_HYBRID["num_hidden_layers"])]}
 PRESETS["dflash-hybrid"] = lambda: dict(DFLASH_TARGET)
-# The reference's rule on 64 layers, [1, 16, 31, 46, 61]: the first id 1, the last L - 3, evenly
-# between. On 8 layers that is 1..5. vLLM reads them as aux layers id + 1
+# The reference's 5 ids on 64 layers, [5, 19, 33, 47, 61]: the last L - 3, evenly spaced. On 8
+# layers that is 1..5. vLLM reads them as aux layers id + 1
 # (v1/worker/gpu/spec_decode/eagle/eagle3_utils.py:121-124): [2, 3, 4, 5, 6]; with the 4/4 split
 # rank 0 captures 2, 3 and 4 (4 is its last layer's output) and relays them to rank 1 (its slots:
 # bisect_right(aux, 4) = 3, models/interfaces.py:1633-1636), rank 1 captures 5 and 6.
 DFLASH_TARGET_LAYER_IDS = [1, 2, 3, 4, 5]
 DFLASH_SPLIT = [4, 4]
 # Inside the vocabulary and above every prompt id of gpu_runs.spec_prompts (3..8002), as the
-# reference's 248077 is a reserved id near the end of its 248320.
+# reference's 248070 is a reserved id near the end of its 248320.
 DFLASH_MASK_TOKEN_ID = 8100
-# The reference's window (4096) is 1/64 of its context; here 1024: shorter than the long prompt
+# The reference's window (2048) is 1/128 of its context; here 1024: shorter than the long prompt
 # (1500 tokens), so the drafter's sliding window is exercised, and half of max_model_len (2048).
 DFLASH_WINDOW = 1024
-DFLASH_DRAFTER_CLASS = "vllm.model_executor.models.qwen3_dflash.DFlashQwen3ForCausalLM"
+# The selector's rank and candidates per draft position: the reference's 256 and 16 (for a
+# vocabulary of 248,320) scaled down; vLLM reads both with int() and checks neither.
+DFLASH_SELECTOR_RANK, DFLASH_SELECTOR_TOP_K = 32, 8
+DFLASH_DRAFTER_CLASS = "vllm.model_executor.models.qwen3_dflash2.DFlash2Qwen3ForCausalLM"
 W4_BITS, W4_GROUP = 4, 128
 W4_OFFSET = 1 << (W4_BITS - 1)  # uint4b8: stored value = q + 8
 
 
 def dflash_drafter_config(target: dict = DFLASH_TARGET) -> dict:
     """The reference drafter's config.json scaled to ``target``: its width, heads, MLP and
-    vocabulary, the window and layer ids above; 5 sliding-attention layers and the W4A16
-    quantization_config (group 128, symmetric, lm_head ignored) as the reference has them."""
+    vocabulary, the window, layer ids, mask token and selector size above; as the reference: 5
+    non-causal sliding-attention layers, the convolutions (2 taps, groups of 16), the draft block
+    (8 = 1 + 7 draft tokens) and the W4A16 quantization_config (group 128, symmetric, lm_head ignored)."""
     ref = json.loads(DFLASH_FIXTURE.read_text())
     cfg = {**ref, **{k: target[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
                                             "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps",
                                             "max_position_embeddings", "torch_dtype")}}
+    cfg.update(num_target_layers=target["num_hidden_layers"], sliding_window=DFLASH_WINDOW)
     cfg["dflash_config"] = {**ref["dflash_config"], "target_layer_ids": list(DFLASH_TARGET_LAYER_IDS),
-                            "mask_token_id": DFLASH_MASK_TOKEN_ID, "swa_window_size": DFLASH_WINDOW}
+                            "mask_token_id": DFLASH_MASK_TOKEN_ID, "selector_rank": DFLASH_SELECTOR_RANK,
+                            "selector_top_k": DFLASH_SELECTOR_TOP_K}
     return cfg
 
 
 def dflash_linear_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
-    """[out, in] of every linear layer of the drafter, by checkpoint name (without ``.weight``)."""
+    """[out, in] of every quantized linear layer of the drafter (the decoder layers', the
+    convolutions' kernel projections, ``fc``), by checkpoint name (without ``.weight``)."""
     h, inter, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    dfl = cfg["dflash_config"]
+    conv = (2 * dfl["conv_kernel_size"] * (h // dfl["conv_group_size"]), h)
     per_layer = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
                  "self_attn.o_proj": (h, q), "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h),
-                 "mlp.down_proj": (h, inter)}
+                 "mlp.down_proj": (h, inter), "attention_conv.kernel_projection": conv,
+                 "mlp_conv.kernel_projection": conv}
     shapes = {f"layers.{i}.{n}": s for i in range(cfg["num_hidden_layers"]) for n, s in per_layer.items()}
-    shapes["fc"] = (h, len(cfg["dflash_config"]["target_layer_ids"]) * h)
+    shapes["fc"] = (h, len(dfl["target_layer_ids"]) * h)
+    return shapes
+
+
+def dflash2_dense_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """The drafter's bf16 tensors beyond the norms, by checkpoint name: each convolution's
+    ``base_kernel`` [2, taps, hidden], the selector's codebooks [vocab, rank] and its
+    ``hidden_projection`` [rank, hidden] (vLLM builds it unquantized)."""
+    h, dfl = cfg["hidden_size"], cfg["dflash_config"]
+    rank = dfl["selector_rank"]
+    shapes = {f"layers.{i}.{conv}.base_kernel": (2, dfl["conv_kernel_size"], h)
+              for i in range(cfg["num_hidden_layers"]) for conv in ("attention_conv", "mlp_conv")}
+    shapes.update({"candidate_selector.predecessor_codebook": (cfg["vocab_size"], rank),
+                   "candidate_selector.successor_codebook": (cfg["vocab_size"], rank),
+                   "candidate_selector.hidden_projection.weight": (rank, h)})
     return shapes
 
 
 def dflash_drafter_tensors(cfg: dict, seed: int) -> dict:
-    """The drafter's dense bf16 weights by checkpoint name: matrices N(0, 0.05) as the random
-    targets' (seeded), RMSNorm weights 1 (vLLM's RMSNorm multiplies by the weight)."""
+    """The drafter's dense bf16 weights by checkpoint name: matrices, base kernels and codebooks
+    N(0, 0.05) as the random targets' (seeded), RMSNorm weights 1 (vLLM's RMSNorm multiplies by
+    the weight)."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
-    out = {f"{name}.weight": (torch.randn(shape, generator=gen) * 0.05).to(torch.bfloat16)
-           for name, shape in dflash_linear_shapes(cfg).items()}
+    randn = lambda shape: (torch.randn(shape, generator=gen) * 0.05).to(torch.bfloat16)  # noqa: E731
+    out = {f"{name}.weight": randn(shape) for name, shape in dflash_linear_shapes(cfg).items()}
+    out.update({name: randn(shape) for name, shape in dflash2_dense_shapes(cfg).items()})
     ones = lambda n: torch.ones(n, dtype=torch.bfloat16)  # noqa: E731
     for i in range(cfg["num_hidden_layers"]):
         for norm in ("input_layernorm", "post_attention_layernorm"):
@@ -589,8 +623,9 @@ def quantize_w4(w):
 
 def write_dflash_drafter(out: Path, cfg: dict | None = None, seed: int = 1, packed: bool = True) -> Path:
     """The drafter folder: config.json and model.safetensors with seeded weights; ``packed``:
-    every linear layer (the decoder layers' and ``fc``) as compressed-tensors W4A16
-    (``weight_packed``, ``weight_scale``, ``weight_shape``), the norms bf16; else all bf16 and no
+    every linear layer vLLM builds with the quantization config (the decoder layers', the kernel
+    projections, ``fc``) as compressed-tensors W4A16 (``weight_packed``, ``weight_scale``,
+    ``weight_shape``), the rest bf16 (norms, base kernels, the selector); else all bf16 and no
     quantization_config. No embedding and no lm_head: vLLM gives the drafter the target's."""
     import torch
     from safetensors.torch import save_file
@@ -618,7 +653,7 @@ def write_dflash_drafter(out: Path, cfg: dict | None = None, seed: int = 1, pack
 
 
 def write_dflash_models(out: Path, seed: int = 0) -> dict[str, Path]:
-    """OUT/target (dflash-hybrid, seeded weights and a tokenizer) and OUT/drafter (W4A16);
+    """OUT/target (dflash-hybrid, seeded weights and a tokenizer) and OUT/drafter (DFlash2, W4A16);
     written once (a complete drafter folder is reused)."""
     dirs = {"target": out / "target", "drafter": out / "drafter"}
     if not (dirs["target"] / "config.json").exists():

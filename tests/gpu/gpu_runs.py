@@ -60,14 +60,14 @@ def embedq_prompts() -> list[list[int]]:
     return [ids(11, 24), ids(500, 90), ids(1234, 300), ids(2345, 700)]
 
 
-# DFlash (a drafter of the reference DFlash2 shape next to the hybrid): stock vLLM on one rank
+# DFlash2 (a scaled-down drafter of the reference's shape next to the hybrid): stock vLLM on one rank
 # against the plugin under PP=2, token for token. Both runs: bf16, eager, the same seeded weights
 # (load_format="auto"), the same GDN prefill kernel, split-K GEMMs off (gpu_tokens.run_env). The
 # plugin's split is pinned to 4/4, the split gpu_models.DFLASH_TARGET_LAYER_IDS are spread over.
 # The target's attention is Triton's in both: the virtual pair's ranks take it anyway
 # (gpu_harness.VIRTUAL_PAIR_ATTENTION), and stock would take FlashAttention on the H200. The
 # drafter's backend is vLLM's choice in both (spec_decode/dflash/utils.py:27-33: the drafter's own,
-# speculative_config.attention_backend, unset), on the same H200.
+# speculative_config.attention_backend, unset; one that takes its non-causal layers), on the same H200.
 DFLASH_TOKENS = 7  # the reference launchers' (benchmarks/headline.py DFLASH_TOKENS)
 DFLASH_MAX_MODEL_LEN = 2048  # the long prompt (1500) + 48 new tokens + the drafter's lookahead
 DFLASH_MAX_TOKENS = 48

@@ -1,27 +1,33 @@
-"""DFlash with a drafter of the reference DFlash2 shape next to the hybrid, stock vLLM on one rank
-against the plugin under PP=2 (issue #23: "DFlash with a drafter of the reference DFlash2 shape"
-and "the executor's KV pricing where it differs from the mirror").
+"""DFlash2 with a scaled-down drafter of the reference's shape next to the hybrid, stock vLLM on one
+rank against the plugin under PP=2 (issue #23: "DFlash with a drafter of the reference DFlash2
+shape" and "the executor's KV pricing where it differs from the mirror").
 
 Models (gpu_models.write_dflash_models, seeded random weights, written once per session): the
 target is spec-hybrid (8 layers: 6 Gated DeltaNet + 2 full attention, hidden 1024, vocabulary
-8192); the drafter is tests/fixtures/dflash2_drafter_standin.json scaled to it ("DFlashDraftModel",
-vLLM's DFlashQwen3ForCausalLM: 5 sliding-attention layers, window 1024, target_layer_ids 1..5, mask
-token 8100, every linear layer compressed-tensors W4A16 pack-quantized, group 128, symmetric; no
-embedding or lm_head of its own: vLLM gives it the target's). Runs (gpu_runs.dflash_kwargs):
-bf16, eager, prefix caching, 7 draft tokens, Triton attention for the target in both; stock with
-the GPU to itself (PP=1), then the plugin on the pair (pair_env: the virtual pair on one GPU) with
-the split pinned to 4/4 and its plan written to a file. The same four token-id prompts (the
-spec runs'), greedy, 48 tokens each, then the long one again (a prefix-cache hit).
+8192); the drafter is tests/fixtures/dflash2_drafter.json scaled to it ("DFlash2DraftModel",
+vLLM's DFlash2Qwen3ForCausalLM, run by the V2 runner's DFlash2Speculator (CUDA's default runner
+here; V1 refuses the drafter): 5 non-causal sliding-attention layers, window 1024, two grouped
+convolutions a layer (2 taps, groups of 16), a candidate selector of rank 32 scoring 8 candidates a
+draft position, target_layer_ids 1..5, mask token 8100; every linear layer but the selector's
+projection compressed-tensors W4A16 pack-quantized, group 128, symmetric, the kernel projections
+included; no embedding or lm_head of its own: vLLM gives it the target's). Runs
+(gpu_runs.dflash_kwargs): bf16, eager, prefix caching, 7 draft tokens, Triton attention for the
+target in both; stock with the GPU to itself (PP=1), then the plugin on the pair (pair_env: the
+virtual pair on one GPU) with the split pinned to 4/4 and its plan written to a file. The same
+four token-id prompts (the spec runs'), greedy, 48 tokens each, then the long one again (a
+prefix-cache hit).
 
 Claims:
 - the plugin's tokens equal stock's (bf16: a divergence passes only as a near tie in both runs'
   top-5 logprobs, gpu_tokens.compare strict=False), and each run's repeated long prompt hit the
   prefix cache and gave its first tokens again (near ties allowed);
 - the drafter drafted in both runs (vLLM's spec-decode counters, LLM.get_metrics());
-- in the plugin run the drafter (DFlashQwen3ForCausalLM) is on the last rank only, uses the
-  target's embedding and lm_head, and runs its linear layers through compressed-tensors' W4A16
-  scheme with the same kernel as stock; both ranks capture target layers [2..6] (ids + 1), rank
-  1's relay slots are the ids up to its first layer (3: ids 2, 3 and 4 come from rank 0);
+- in both runs the drafter is DFlash2Qwen3ForCausalLM under the DFlash2Speculator, its 5 layers
+  non-causal with the 1024 window, its selector's projection unquantized (a bf16 ``weight``); in
+  the plugin run it is on the last rank only, uses the target's embedding and lm_head, and runs
+  its linear layers (a kernel projection too) through compressed-tensors' W4A16 scheme with the
+  same kernel as stock; both ranks capture target layers [2..6] (ids + 1), rank 1's relay slots
+  are the ids up to its first layer (3: ids 2, 3 and 4 come from rank 0);
 - the DFlash patches of the registry for the installed vLLM were applied (engine: the KV
   grouping patches; workers: the drafter's shared embedding and the aux-state flag; each rank
   once its device was set: the aux-state relay and Qwen3.5's aux layers);
@@ -39,6 +45,7 @@ Which W4A16 kernel runs is read from vLLM 0.33's source, not asserted: on SM 9.0
 implements group-128 uint4b8 with bf16 activations is Machete (model_executor/kernels/linear/
 __init__.py:540-548, mixed_precision/machete.py:24-54; CUTLASS W4A8 takes FP8 activations only),
 compiled into vLLM's _C; the probe records the class each run used and asserts both used the same.
+The drafter's attention backend (non-causal-capable, vLLM's choice) is recorded, not asserted.
 The H200 runs the drafter in both runs (the plugin's last rank presents SM 9.0; rank 0, presenting
 SM 8.9, holds no drafter). The engine configs and the plan are built on the CPU in
 tests/integration/test_gpu_run_configs.py, the drafter's files in tests/unit/gpu_support/test_gpu_models.py.
@@ -109,11 +116,14 @@ def probe_worker(worker) -> dict:
     drafter = getattr(holder, "model", None)
     if drafter is not None:
         inner = drafter.model
+        facts["speculator"] = type(holder).__name__
         facts["drafter"] = type(drafter).__name__
         facts["drafter_embed_is_target_embed"] = inner.embed_tokens is getattr(decoder, "embed_tokens", None)
         facts["drafter_lm_head_is_target_lm_head"] = drafter.lm_head is getattr(language, "lm_head", None)
-        linears = {"qkv_proj": inner.layers[0].self_attn.qkv_proj, "down_proj": inner.layers[0].mlp.down_proj,
-                   "fc": inner.fc}
+        layer0 = inner.layers[0]
+        linears = {"qkv_proj": layer0.self_attn.qkv_proj, "down_proj": layer0.mlp.down_proj, "fc": inner.fc,
+                   "attention_conv.kernel_projection": layer0.attention_conv.kernel_projection,
+                   "candidate_selector.hidden_projection": inner.candidate_selector.hidden_projection}
         facts["drafter_linears"] = {
             name: {"scheme": type(getattr(m, "scheme", None)).__name__,
                    "kernel": type(getattr(getattr(m, "scheme", None), "kernel", None)).__name__,
@@ -121,6 +131,7 @@ def probe_worker(worker) -> dict:
             for name, m in linears.items()}
         facts["drafter_windows"] = [layer.self_attn.sliding_window for layer in inner.layers]
         facts["drafter_causal"] = list(drafter.get_draft_attn_causal())
+        facts["drafter_attn_backend"] = layer0.self_attn.attn.get_attn_backend().get_name()
         if kv is not None:
             names = set(drafter.get_draft_kv_cache_layer_names())
             facts["drafter_kv_groups"] = [i for i, g in enumerate(kv.kv_cache_groups) if names & set(g.layer_names)]
@@ -181,12 +192,17 @@ def check_run(name: str, res: dict, record_property) -> None:
     drafters = [w for w in res["workers"] if "drafter" in w]
     assert [w["drafter"] for w in drafters] == [gm.DFLASH_DRAFTER_CLASS.rsplit(".", 1)[1]], res["workers"]
     d = drafters[0]
+    assert d["speculator"] == "DFlash2Speculator", f"{name}: the drafter ran under {d['speculator']}"
     record_property(f"{name} drafter linears", d["drafter_linears"])
+    record_property(f"{name} drafter attention backend", d["drafter_attn_backend"])
     assert d["drafter_embed_is_target_embed"] and d["drafter_lm_head_is_target_lm_head"], d
-    for layer, facts in d["drafter_linears"].items():
+    linears = dict(d["drafter_linears"])
+    selector = linears.pop("candidate_selector.hidden_projection")
+    assert selector["scheme"] == "NoneType" and selector["params"] == ["weight"], f"{name}: selector projection {selector}"
+    for layer, facts in linears.items():
         assert facts["scheme"] == "CompressedTensorsWNA16", f"{name}: the drafter's {layer} runs {facts}"
         assert "weight" not in facts["params"] and "weight_packed" in facts["params"], f"{name}: {layer} {facts}"
-    assert d["drafter_windows"] == [gm.DFLASH_WINDOW] * 5 and d["drafter_causal"] == [True] * 5, d
+    assert d["drafter_windows"] == [gm.DFLASH_WINDOW] * 5 and d["drafter_causal"] == [False] * 5, d
 
 
 @needs_pair()
@@ -214,7 +230,7 @@ def test_dflash_under_pp2_gives_stocks_tokens_and_the_planned_pool(dflash_models
     assert [w["pp_rank"] for w in workers] == [0, 1], f"ranks probed: {workers}"
     first, last = workers
     assert "drafter" in last and "drafter" not in first, f"the drafter is not on the last rank only: {workers}"
-    kernels = {layer: f["kernel"] for layer, f in last["drafter_linears"].items()}
+    kernels = {layer: f["kernel"] for layer, f in last["drafter_linears"].items()}  # the selector's: NoneType
     stock_kernels = {layer: f["kernel"] for layer, f in stock["workers"][0]["drafter_linears"].items()}
     record_property("W4A16 kernel (stock / plugin's last rank)", f"{stock_kernels} / {kernels}")
     assert kernels == stock_kernels, f"the drafter's W4A16 kernels: stock {stock_kernels}, plugin {kernels}"

@@ -1,6 +1,6 @@
 """Every GPU run's real VllmConfig, built on the CPU (what the GPU scripts' ``--dry-run`` checked):
 the e2e runs in bf16 and float32, MTP and EAGLE3 under PP=2 and stock vLLM's EAGLE3 refusal, the
-DFlash runs (stock on one rank, the plugin under PP=2: their configs, the executor's plan on the
+DFlash2 runs (stock on one rank, the plugin under PP=2: their configs, the executor's plan on the
 virtual pair, the W4A16 drafter's files in vLLM's own class and its kernel on SM 9.0), the vision
 model, and the checkpoints with an INT8-packed embedding. The runs' settings come from
 tests/gpu (gpu_runs, gpu_tokens, gpu_models), so a GPU test cannot boot something these did not
@@ -173,6 +173,14 @@ def dflash_dirs(tmp_path_factory):
             gm.write_config_only(gm.dflash_drafter_config(), d / "drafter"))
 
 
+@pytest.fixture
+def v2_runner(monkeypatch):
+    """The GPU runs take vLLM's V2 model runner (CUDA's default for them); the CPU platform
+    would pick V1, under which vLLM refuses the DFlash2 drafter ("Model Runner V1 does not
+    support: DFlash candidate-head drafts")."""
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+
+
 def test_dflash_runs_settings(tmp_path, monkeypatch):
     """Stock and the plugin differ only in PP, the executor and the plugin's utilization; the
     split, mask token, prompts and lengths fit the models."""
@@ -204,9 +212,13 @@ def test_dflash_drafter_config_is_the_reference_shape_scaled():
     ref = json.loads(gm.DFLASH_FIXTURE.read_text())
     cfg = gm.dflash_drafter_config()
     t = gm.DFLASH_TARGET
-    assert cfg["architectures"] == ref["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
+    assert cfg["architectures"] == ref["architectures"] == ["DFlash2DraftModel"] and cfg["model_type"] == "qwen3"
     assert cfg["num_hidden_layers"] == ref["num_hidden_layers"] == 5
     assert cfg["layer_types"] == ref["layer_types"] == ["sliding_attention"] * 5
+    assert cfg["is_causal"] is ref["is_causal"] is False
+    assert cfg["use_sliding_window"] is ref["use_sliding_window"] is True
+    assert cfg["sliding_window"] == gm.DFLASH_WINDOW != ref["sliding_window"] == 2048
+    assert cfg["num_target_layers"] == t["num_hidden_layers"] and ref["num_target_layers"] == 64
     assert cfg["quantization_config"] == ref["quantization_config"]
     w = cfg["quantization_config"]["config_groups"]["group_0"]["weights"]
     assert (w["num_bits"], w["group_size"], w["symmetric"], w["strategy"]) == (4, 128, True, "group")
@@ -214,16 +226,23 @@ def test_dflash_drafter_config_is_the_reference_shape_scaled():
         assert cfg[k] == t[k], k
     # the reference's hidden and MLP widths are its target's too (Qwen3.8-27B-class: 5120, 17408)
     assert (ref["hidden_size"], ref["intermediate_size"]) == (5120, 17408)
-    dfl = cfg["dflash_config"]
-    assert len(dfl["target_layer_ids"]) == len(ref["dflash_config"]["target_layer_ids"]) == 5
-    # the reference's rule: first id 1, last id L - 3, evenly between ([1, 16, 31, 46, 61] of 64)
-    assert ref["dflash_config"]["target_layer_ids"] == list(range(1, 64 - 3 + 1, 15))
+    dfl, rdfl = cfg["dflash_config"], ref["dflash_config"]
+    assert len(dfl["target_layer_ids"]) == len(rdfl["target_layer_ids"]) == 5
+    # the reference's ids: 5 evenly spaced, the last L - 3 ([5, 19, 33, 47, 61] of 64)
+    assert rdfl["target_layer_ids"] == list(range(5, 64 - 3 + 1, 14))
     assert dfl["target_layer_ids"] == list(range(1, t["num_hidden_layers"] - 3 + 1))
-    assert 0 <= dfl["mask_token_id"] < cfg["vocab_size"] and dfl["swa_window_size"] == gm.DFLASH_WINDOW
+    assert 0 <= dfl["mask_token_id"] < cfg["vocab_size"] and "swa_window_size" not in dfl
+    # the convolutions and the draft block as the reference's; the selector smaller
+    for k in ("conv_kernel_size", "conv_group_size", "block_size"):
+        assert dfl[k] == rdfl[k], k
+    assert (dfl["conv_kernel_size"], dfl["conv_group_size"], dfl["block_size"]) == (2, 16, 1 + gpu_runs.DFLASH_TOKENS)
+    assert t["hidden_size"] % dfl["conv_group_size"] == 0
+    assert (rdfl["selector_rank"], rdfl["selector_top_k"]) == (256, 16)
+    assert (dfl["selector_rank"], dfl["selector_top_k"]) == (32, 8)
 
 
 @pytest.mark.slow
-def test_dflash_configs(engine_config, dflash_dirs, monkeypatch):
+def test_dflash_configs(engine_config, dflash_dirs, monkeypatch, v2_runner):
     from vllm.distributed.utils import get_pp_indices
     from vllm.model_executor.layers.linear import (
         MergedColumnParallelLinear,
@@ -251,19 +270,23 @@ def test_dflash_configs(engine_config, dflash_dirs, monkeypatch):
         assert mc.architectures == ["Qwen3_5ForCausalLM"] and mc.is_hybrid and str(mc.dtype) == "torch.bfloat16"
         assert cfg.cache_config.enable_prefix_caching and cfg.cache_config.mamba_cache_mode == "align"
         assert spec.method == "dflash" and spec.num_speculative_tokens == gpu_runs.DFLASH_TOKENS
-        assert draft.architectures == ["DFlashDraftModel"] and str(draft.dtype) == "torch.bfloat16"
+        assert draft.architectures == ["DFlash2DraftModel"] and str(draft.dtype) == "torch.bfloat16"
         entry = ModelRegistry.models.get(draft.architecture)
         assert f"{entry.module_name}.{entry.class_name}" == gm.DFLASH_DRAFTER_CLASS
-        # the V2 runner (the DFlashSpeculator's) takes every feature of both runs
+        # the V2 runner (the DFlash2Speculator's) takes every feature of both runs, so CUDA picks it
+        # with VLLM_USE_V2_MODEL_RUNNER unset (config/vllm.py:758-767); V1 refuses the drafter
         assert cfg._get_v2_model_runner_unsupported_features() == []
+        assert "DFlash candidate-head drafts" in cfg._get_v1_model_runner_unsupported_features()
         assert draft.quantization == "compressed-tensors" and mc.quantization is None
         hf = draft.hf_config
         assert get_parallel_drafting_token_id(hf) == gm.DFLASH_MASK_TOKEN_ID < mc.get_vocab_size()
-        assert not dflash_has_any_non_causal(hf)  # every layer causal: no non-causal backend needed
-        assert [_resolve_layer_attention(hf, i) for i in range(5)] == [(gm.DFLASH_WINDOW, True)] * 5
+        assert dflash_has_any_non_causal(hf)  # is_causal false: vLLM asks for a non-causal backend
+        assert [_resolve_layer_attention(hf, i) for i in range(5)] == [(gm.DFLASH_WINDOW, False)] * 5
+        assert hf.dflash_config["selector_top_k"] == gm.DFLASH_SELECTOR_TOP_K
         assert hf.hidden_size == mc.get_hidden_size() and draft.get_vocab_size() == mc.get_vocab_size()
         assert cfg.model_config.max_model_len == gpu_runs.DFLASH_MAX_MODEL_LEN
-    # the drafter's quantization as its workers build it: W4A16 on every linear layer, fc too
+    # the drafter's quantization as its workers build it: W4A16 on every linear layer, the
+    # convolutions' kernel projections and fc too (the selector's projection is built without it)
     cfg = cfgs[2]
     qc = VllmConfig.get_quantization_config(cfg.speculative_config.draft_model_config, cfg.load_config)
     assert type(qc).__name__ == "CompressedTensorsConfig"
@@ -277,7 +300,9 @@ def test_dflash_configs(engine_config, dflash_dirs, monkeypatch):
     first = f"model.layers.{gm.DFLASH_TARGET['num_hidden_layers']}"  # the drafter's layers follow the target's
     for cls, prefix in ((QKVParallelLinear, f"{first}.self_attn.qkv_proj"), (RowParallelLinear, f"{first}.self_attn.o_proj"),
                         (MergedColumnParallelLinear, f"{first}.mlp.gate_up_proj"),
-                        (RowParallelLinear, f"{first}.mlp.down_proj"), (ReplicatedLinear, "model.fc")):
+                        (RowParallelLinear, f"{first}.mlp.down_proj"), (ReplicatedLinear, "model.fc"),
+                        (ReplicatedLinear, f"{first}.attention_conv.kernel_projection"),
+                        (ReplicatedLinear, f"{first}.mlp_conv.kernel_projection")):
         s = scheme(cls, prefix)
         assert type(s).__name__ == "CompressedTensorsWNA16", prefix
         assert (s.num_bits, s.group_size, s.symmetric, str(s.quant_type)) == (4, 128, True, "uint4b8"), prefix
@@ -297,7 +322,7 @@ def test_dflash_configs(engine_config, dflash_dirs, monkeypatch):
 
 
 @pytest.mark.slow
-def test_dflash_plan_on_the_virtual_pair(engine_config, dflash_dirs, monkeypatch, tmp_path):
+def test_dflash_plan_on_the_virtual_pair(engine_config, dflash_dirs, monkeypatch, tmp_path, v2_runner):
     """The executor's plan for the plugin run on the CPU: NVML faked as the one H200 of a GPU
     machine, the virtual pair the harness asks for (gpu_harness.pair_env), the engine's patches
     applied as in EngineCore. Split 4/4 as pinned; the plan file and the executor's line give one
@@ -385,32 +410,35 @@ def vllm_ops_or_skip(cfg) -> None:
 
 
 def dflash_drafter_on_cpu(engine_config, dflash_dirs, drafter_dir, monkeypatch):
-    """The stock run's config and vLLM's DFlashQwen3ForCausalLM built from it on the CPU (one TP
-    and PP rank); skipped where vLLM's layers cannot be built."""
+    """The stock run's config (the V2 runner's, as on the GPU) and vLLM's DFlash2Qwen3ForCausalLM
+    built from it on the CPU (one TP and PP rank); skipped where vLLM's layers cannot be built."""
     from types import SimpleNamespace
 
     from vllm.config import set_current_vllm_config
     from vllm.distributed import parallel_state
-    from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
+    from vllm.model_executor.models.qwen3_dflash2 import DFlash2Qwen3ForCausalLM
     from vllm.utils.torch_utils import set_default_torch_dtype
 
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")  # vLLM's V1 runner refuses DFlash2
     cfg = engine_config(**gpu_runs.dflash_kwargs(dflash_dirs[0], drafter_dir, 1))
     vllm_ops_or_skip(cfg)
     monkeypatch.setattr(parallel_state, "_TP", SimpleNamespace(world_size=1, rank_in_group=0))
     monkeypatch.setattr(parallel_state, "_PP", SimpleNamespace(world_size=1, rank_in_group=0, is_first_rank=True,
                                                                is_last_rank=True))
     with set_current_vllm_config(cfg), set_default_torch_dtype(cfg.model_config.dtype):
-        return cfg, DFlashQwen3ForCausalLM(vllm_config=cfg, prefix="")
+        return cfg, DFlash2Qwen3ForCausalLM(vllm_config=cfg, prefix="")
 
 
 @pytest.mark.slow
 def test_dflash_drafter_files_load_into_vllms_class(engine_config, dflash_dirs, dflash_drafter_dir, monkeypatch):
-    """vLLM's DFlashQwen3ForCausalLM, built on the CPU from the stock run's config, loads the
+    """vLLM's DFlash2Qwen3ForCausalLM, built on the CPU from the stock run's config, loads the
     written files through its own load_weights: every parameter but those the drafter takes from
     the target (embedding, lm_head), the mask embedding it has no file for and the attention
     layers' KV-cache scales (not in a checkpoint without an fp8 KV cache) is written, the
-    stacked q/k/v and gate/up rows are the files' tensors in vLLM's order, and the drafter does
-    not declare an embedding or lm_head of its own (so vLLM shares the target's)."""
+    stacked q/k/v and gate/up rows are the files' tensors in vLLM's order, the convolutions'
+    and the selector's parameters are the files' tensors (the kernel projections packed, the
+    selector's projection a plain bf16 weight), and the drafter does not declare an embedding or
+    lm_head of its own (so vLLM shares the target's)."""
 
     from safetensors.torch import load_file
     from vllm.config import set_current_vllm_config
@@ -440,9 +468,20 @@ def test_dflash_drafter_files_load_into_vllms_class(engine_config, dflash_dirs, 
                 got = params[f"model.layers.{i}.{fused}.{suffix}"]
                 want = torch.cat([files[f"layers.{i}.{where}.{p}.{suffix}"] for p in parts])
                 assert got.dtype == want.dtype and torch.equal(got, want), (i, fused, suffix)
-        for name in ("self_attn.o_proj", "mlp.down_proj"):
+        for name in ("self_attn.o_proj", "mlp.down_proj", "attention_conv.kernel_projection",
+                     "mlp_conv.kernel_projection"):
             for suffix in ("weight_packed", "weight_scale", "weight_shape"):
                 assert torch.equal(params[f"model.layers.{i}.{name}.{suffix}"], files[f"layers.{i}.{name}.{suffix}"])
+        for conv in ("attention_conv", "mlp_conv"):
+            got, want = params[f"model.layers.{i}.{conv}.base_kernel"], files[f"layers.{i}.{conv}.base_kernel"]
+            assert got.dtype == want.dtype == torch.bfloat16 and torch.equal(got, want), (i, conv)
+            packed = params[f"model.layers.{i}.{conv}.kernel_projection.weight_packed"]
+            assert packed.shape == (2 * 2 * 1024 // 16, 1024 // 8)  # out: 2 x taps x hidden / 16
+    for name in ("predecessor_codebook", "successor_codebook", "hidden_projection.weight"):
+        got, want = params[f"model.candidate_selector.{name}"], files[f"candidate_selector.{name}"]
+        assert got.dtype == want.dtype == torch.bfloat16 and torch.equal(got, want), name
+    assert params["model.candidate_selector.predecessor_codebook"].shape == (8192, gm.DFLASH_SELECTOR_RANK)
+    assert not [n for n in params if n.startswith("model.candidate_selector.hidden_projection.weight_")]
     for suffix in ("weight_packed", "weight_scale", "weight_shape"):
         assert torch.equal(params[f"model.fc.{suffix}"], files[f"fc.{suffix}"])
     assert params["model.fc.weight_packed"].shape == (1024, 5 * 1024 // 8)  # 5 target states in
@@ -466,7 +505,8 @@ def test_dflash_drafter_w4a16_runs_machete_on_sm90(engine_config, dflash_dirs, d
 
     cfg, model = dflash_drafter_on_cpu(engine_config, dflash_dirs, dflash_drafter_dir, monkeypatch)
     layers = {n: m for n, m in model.named_modules() if getattr(m, "scheme", None) is not None}
-    assert len(layers) == 5 * 4 + 1  # qkv, o, gate_up, down per layer, and fc
+    assert len(layers) == 5 * (4 + 2) + 1  # qkv, o, gate_up, down and two kernel projections per layer, and fc
+    assert sum(n.endswith("conv.kernel_projection") for n in layers) == 5 * 2
     sm90 = SimpleNamespace(_enum=PlatformEnum.CUDA, is_cuda=lambda: True, is_rocm=lambda: False,
                            is_device_capability=lambda c: c == 90,
                            get_device_capability=lambda: SimpleNamespace(major=9, minor=0, to_int=lambda: 90))

@@ -1,5 +1,5 @@
 """The CPU part of gpu_models: what the presets are and what the folders written from them hold
-(the DFlash drafter's files too: names, shapes, dtypes, and packed values read back independently)."""
+(the DFlash2 drafter's files too: names, shapes, dtypes, and packed values read back independently)."""
 
 from __future__ import annotations
 
@@ -105,8 +105,9 @@ def dflash_drafter(tmp_path_factory):
 def test_dflash_drafter_files_hold_what_vllms_loader_maps(dflash_drafter):
     """Names without "model." (vLLM's load_weights adds it), q/k/v and gate/up as separate
     tensors (its loader stacks them), no embedding and no lm_head (the target's are used), every
-    linear layer as weight_packed int32 [out, in/8], weight_scale bf16 [out, in/128] and
-    weight_shape int64 [out, in]; the norms bf16."""
+    linear layer vLLM quantizes (the convolutions' kernel projections too) as weight_packed int32
+    [out, in/8], weight_scale bf16 [out, in/128] and weight_shape int64 [out, in]; the norms,
+    the base kernels and the selector (codebooks, projection) bf16."""
     import json
 
     import torch
@@ -118,14 +119,20 @@ def test_dflash_drafter_files_hold_what_vllms_loader_maps(dflash_drafter):
     h, inter, hd = 1024, 2048, 128  # spec-hybrid's width and MLP; heads 8 (q) and 2 (k, v) of 128
     per_layer = {"self_attn.q_proj": (8 * hd, h), "self_attn.k_proj": (2 * hd, h), "self_attn.v_proj": (2 * hd, h),
                  "self_attn.o_proj": (h, 8 * hd), "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h),
-                 "mlp.down_proj": (h, inter)}
+                 "mlp.down_proj": (h, inter),
+                 # 2 x taps (2) x hidden / group (16) = 256 per-token kernel coefficients
+                 "attention_conv.kernel_projection": (256, h), "mlp_conv.kernel_projection": (256, h)}
     linears = {f"layers.{i}.{n}": s for i in range(5) for n, s in per_layer.items()}
     linears["fc"] = (h, 5 * h)  # the 5 target states, concatenated
     norms = {f"layers.{i}.{n}.weight": d for i in range(5) for n, d in
              (("input_layernorm", h), ("post_attention_layernorm", h), ("self_attn.q_norm", hd), ("self_attn.k_norm", hd))}
     norms.update({"hidden_norm.weight": h, "norm.weight": h})
-    expected = {f"{n}.{s}" for n in linears for s in ("weight_packed", "weight_scale", "weight_shape")} | set(norms)
-    assert set(files) == expected
+    dense = {f"layers.{i}.{c}.base_kernel": (2, 2, h) for i in range(5) for c in ("attention_conv", "mlp_conv")}
+    selector = {"predecessor_codebook": (8192, 32), "successor_codebook": (8192, 32),  # vocabulary x rank
+                "hidden_projection.weight": (32, h)}
+    dense.update({f"candidate_selector.{n}": shape for n, shape in selector.items()})
+    expected = {f"{n}.{s}" for n in linears for s in ("weight_packed", "weight_scale", "weight_shape")}
+    assert set(files) == expected | set(norms) | set(dense)
     for name, (out, inp) in linears.items():
         packed, scale, shape = (files[f"{name}.{s}"] for s in ("weight_packed", "weight_scale", "weight_shape"))
         assert packed.dtype == torch.int32 and tuple(packed.shape) == (out, inp // 8), name
@@ -134,6 +141,10 @@ def test_dflash_drafter_files_hold_what_vllms_loader_maps(dflash_drafter):
     for name, dim in norms.items():
         t = files[name]
         assert t.dtype == torch.bfloat16 and tuple(t.shape) == (dim,) and bool((t == 1).all()), name
+    for name, shape in dense.items():  # seeded, small: N(0, 0.05) as the other weights
+        t = files[name].float()
+        assert files[name].dtype == torch.bfloat16 and tuple(t.shape) == shape, name
+        assert 0.03 < float(t.std()) < 0.07 and float(t.abs().max()) < 0.5, (name, float(t.std()))
     assert not any("embed_tokens" in n or "lm_head" in n or n.startswith("model.") for n in files)
 
 
@@ -147,7 +158,8 @@ def test_dflash_drafter_packs_what_was_quantized(dflash_drafter):
 
     files = load_file(str(dflash_drafter / "model.safetensors"))
     dense = gm.dflash_drafter_tensors(gm.dflash_drafter_config(), seed=3)
-    for name in ("layers.0.self_attn.q_proj", "layers.4.self_attn.v_proj", "layers.2.mlp.down_proj", "fc"):
+    for name in ("layers.0.self_attn.q_proj", "layers.4.self_attn.v_proj", "layers.2.mlp.down_proj", "fc",
+                 "layers.0.attention_conv.kernel_projection", "layers.4.mlp_conv.kernel_projection"):
         w = dense[f"{name}.weight"].float()
         packed, scale = files[f"{name}.weight_packed"], files[f"{name}.weight_scale"].float()
         q = unpack_int4(packed, w.shape[1])
@@ -158,9 +170,14 @@ def test_dflash_drafter_packs_what_was_quantized(dflash_drafter):
         err = (q.float() * step - w).abs()
         assert bool((err <= step / 2 * (1 + 2**-7)).all()), (name, float((err / step).max()))
         assert torch.equal(q.to(torch.int8), gm.quantize_w4(dense[f"{name}.weight"])[0]), name
+    # the dense tensors are written as generated
+    for name in ("layers.1.mlp_conv.base_kernel", "candidate_selector.successor_codebook",
+                 "candidate_selector.hidden_projection.weight"):
+        assert torch.equal(files[name], dense[name]), name
     # the same seed writes the same weights; another seed others
-    assert torch.equal(dense["fc.weight"], gm.dflash_drafter_tensors(gm.dflash_drafter_config(), seed=3)["fc.weight"])
-    assert not torch.equal(dense["fc.weight"], gm.dflash_drafter_tensors(gm.dflash_drafter_config(), seed=4)["fc.weight"])
+    again, other = (gm.dflash_drafter_tensors(gm.dflash_drafter_config(), seed=s) for s in (3, 4))
+    for name in ("fc.weight", "candidate_selector.predecessor_codebook", "layers.0.attention_conv.base_kernel"):
+        assert torch.equal(dense[name], again[name]) and not torch.equal(dense[name], other[name]), name
 
 
 def test_dflash_drafter_in_bf16_has_no_quantization(tmp_path):
@@ -173,6 +190,8 @@ def test_dflash_drafter_in_bf16_has_no_quantization(tmp_path):
     files = load_file(str(out / "model.safetensors"))
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
     assert files["fc.weight"].dtype == torch.bfloat16 and tuple(files["fc.weight"].shape) == (1024, 5 * 1024)
+    kp = files["layers.0.attention_conv.kernel_projection.weight"]
+    assert kp.dtype == torch.bfloat16 and tuple(kp.shape) == (256, 1024)
     assert not any(n.endswith(("weight_packed", "weight_scale", "weight_shape")) for n in files)
 
 
