@@ -177,6 +177,28 @@ def apply_registry_patch(name: str, vllm_version: str):
 
 
 
+def v2_runner_or_skip(monkeypatch) -> None:
+    """Build vLLM configs for its V2 model runner, the one the GPU runs take: only V2 runs a DFlash2
+    drafter (V1 refuses it: "DFlash candidate-head drafts"), and the CPU platform would pick V1.
+    vLLM 0.30's config refuses V2 without a working Triton ("Model Runner V2 requires Triton.",
+    VllmConfig._validate_v2_model_runner), which the CPU build of torch lacks: skipped there;
+    0.33's does not ask."""
+    import inspect
+
+    from vllm.config import VllmConfig
+    from vllm.triton_utils import HAS_TRITON
+
+    if not HAS_TRITON and "requires Triton" in inspect.getsource(VllmConfig._validate_v2_model_runner):
+        pytest.skip("this vLLM builds no V2-runner config without Triton (CPU build of torch), and only the V2 "
+                    "runner runs a DFlash2 drafter")
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+
+
+@pytest.fixture
+def v2_runner(monkeypatch):
+    v2_runner_or_skip(monkeypatch)
+
+
 @pytest.fixture(scope="module")
 def qwen3_5():
     """vLLM's ``qwen3_5`` model module, importable without torchvision.

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import gpu_models as gm
+from conftest import v2_runner_or_skip
 import gpu_runs
 import gpu_tokens as tok
 from vllm_dualgpu.engine import preflight
@@ -171,14 +172,6 @@ def dflash_dirs(tmp_path_factory):
     d = tmp_path_factory.mktemp("dflash")
     return (gm.write_config_only(gm.DFLASH_TARGET, d / "target"),
             gm.write_config_only(gm.dflash_drafter_config(), d / "drafter"))
-
-
-@pytest.fixture
-def v2_runner(monkeypatch):
-    """The GPU runs take vLLM's V2 model runner (CUDA's default for them); the CPU platform
-    would pick V1, under which vLLM refuses the DFlash2 drafter ("Model Runner V1 does not
-    support: DFlash candidate-head drafts")."""
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
 
 
 def test_dflash_runs_settings(tmp_path, monkeypatch):
@@ -419,7 +412,7 @@ def dflash_drafter_on_cpu(engine_config, dflash_dirs, drafter_dir, monkeypatch):
     from vllm.model_executor.models.qwen3_dflash2 import DFlash2Qwen3ForCausalLM
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")  # vLLM's V1 runner refuses DFlash2
+    v2_runner_or_skip(monkeypatch)  # vLLM's V1 runner refuses DFlash2
     cfg = engine_config(**gpu_runs.dflash_kwargs(dflash_dirs[0], drafter_dir, 1))
     vllm_ops_or_skip(cfg)
     monkeypatch.setattr(parallel_state, "_TP", SimpleNamespace(world_size=1, rank_in_group=0))

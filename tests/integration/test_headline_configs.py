@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import v2_runner_or_skip
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import headline as hl  # noqa: E402
@@ -23,13 +24,6 @@ CHOSEN = [24, 40]  # a split for arm 3 to start the split arms from
 def executor(cfg) -> str:
     backend = cfg.parallel_config.distributed_executor_backend
     return getattr(backend, "__name__", str(backend))
-
-
-@pytest.fixture(autouse=True)
-def _v2_runner(monkeypatch):
-    """The GPUs run vLLM's V2 model runner; the CPU platform would pick V1, under which vLLM
-    refuses the DFlash2 drafter ("Model Runner V1 does not support: DFlash candidate-head drafts")."""
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +148,8 @@ def test_every_arm_builds_in_vllm(engine_config, models, monkeypatch, launcher):
     """Each arm's VllmConfig as vLLM builds it: backend, split, weight format, drafter, vision,
     fp8 KV, context, batch flags; the expert's flags land where vLLM reads them; the plugin's arms
     pass the plugin's front-end checks with their split."""
+    if "dflash" in launcher:
+        v2_runner_or_skip(monkeypatch)
     from vllm.config import CacheConfig
     from vllm.engine.arg_utils import EngineArgs
 
@@ -200,7 +196,7 @@ def test_every_arm_builds_in_vllm(engine_config, models, monkeypatch, launcher):
 
 
 @pytest.mark.slow
-def test_w8a16_quantizes_what_the_reference_checkpoint_does(engine_config, models, qwen3_5):
+def test_w8a16_quantizes_what_the_reference_checkpoint_does(engine_config, models, qwen3_5, v2_runner):
     """vLLM's compressed-tensors config of the W8A16 model, as its loader prepares it for
     Qwen3_5ForConditionalGeneration (names through its hf_to_vllm_mapper, its fused layers): the
     language model's linear layers int8 weight-only, the vision tower and the GDN in_proj_a/b in

@@ -20,6 +20,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+from conftest import v2_runner_or_skip
 
 from vllm_dualgpu.cli import build_parser
 from vllm_dualgpu.cli import plan as cli_plan
@@ -219,7 +220,7 @@ def test_reference_launcher_same_split_under_the_default_objective(engine_config
     vllm.platforms._current_platform = CpuPlatform()
     target, draft, draft2 = reference_dirs
     if drafter == "dflash2":  # vLLM refuses it under the V1 runner the CPU platform would pick; GPUs run V2
-        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+        v2_runner_or_skip(monkeypatch)
     spec = ({"method": "dflash", "model": str(draft2 if drafter == "dflash2" else draft), "num_speculative_tokens": 7}
             if drafter.startswith("dflash") else {"method": "mtp", "num_speculative_tokens": 3})
     argv = LAUNCHER + ["--speculative-config", json.dumps(spec)]

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import v2_runner_or_skip
 from plan_exports import restore_environ  # noqa: F401  (autouse: the plan's exports undone)
 from test_kv_pricing_dflash import engine_patches  # noqa: F401  (autouse: the engine's patches, as in EngineCore)
 from test_planning import Lines
@@ -47,7 +48,8 @@ def test_the_expert_arm_starts_with_its_own_split_and_pool(engine_config, models
                                        drafter=models["drafter"], virtual=hl.VIRTUAL) if a.kind == "expert")
     for k, v in arm.env.items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")  # the GPUs' runner; vLLM refuses DFlash2 under V1
+    if "dflash" in launcher:
+        v2_runner_or_skip(monkeypatch)  # the GPUs' runner; vLLM refuses DFlash2 under V1
     cfg = engine_config(**arm.kwargs)
     cfg.parallel_config.worker_cls = apply.STOCK_WORKER  # as on a GPU machine; the plan replaces it
     log = logging.getLogger("vllm.dualgpu")

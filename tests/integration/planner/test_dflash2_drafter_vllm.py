@@ -14,6 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import v2_runner_or_skip
 
 from vllm_dualgpu import planner as P
 from vllm_dualgpu.planner.dflash import dflash2_extras, fc_bytes
@@ -44,7 +45,7 @@ def drafter(engine_config, dirs, monkeypatch):
     from vllm.model_executor.model_loader.utils import get_model_architecture
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    v2_runner_or_skip(monkeypatch)
     try:
         cfg = engine_config(model=str(dirs / "target"), load_format="dummy", skip_tokenizer_init=True,
                             max_model_len=262144, speculative_config={
