@@ -4,7 +4,7 @@ states, and a DFlash2 drafter's convolutions and candidate selector.
 ``fc`` (``model_executor/models/qwen3_dflash.py``, ``DFlashQwen3Model``) is a linear
 ``len(target_layer_ids) x hidden -> hidden`` built with the checkpoint's quantization config,
 followed by ``hidden_norm``: a W4A16 drafter holds it packed (67.6 MB for the reference drafter's,
-260 MB in bf16).
+262 MB in bf16).
 
 vLLM (0.30-0.33) builds a ``DFlash2DraftModel`` checkpoint as
 ``model_executor/models/qwen3_dflash2.py:DFlash2Qwen3ForCausalLM`` and runs it with the V2
