@@ -88,10 +88,6 @@ def wait_streaming(seen: dict, n: int, limit: float) -> float | None:
     return None
 
 
-# The plugin's lines naming a rank that died (engine/rank_faults.py dead_rank_lines) or did not
-# answer a step in time (unanswered_line).
-
-
 def run_fault(model, gpu_out, sig: int, name: str, record_property, bound: float, env: dict | None = None) -> dict:
     log = gpu_out / f"{name}.log"
     results: dict = {}

@@ -104,7 +104,7 @@ def assert_same(cli, executor):
     assert a.predicted_decode_ms == pytest.approx(b.predicted_decode_ms, rel=1e-6)
     # the same drafter on both sides (a DFlash2 one by its architecture, which the executor reads
     # from vLLM's draft config)
-    assert [p.drafter.name if p.drafter else None for p in (a, b)] == [a.drafter.name if a.drafter else None] * 2
+    assert (a.drafter and a.drafter.name) == (b.drafter and b.drafter.name)
     return a
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm_dualgpu.planner.dflash import dflash2_extras, fc_bytes
+from vllm_dualgpu.planner.dflash import SLIDING_KEYS, dflash2_extras, fc_bytes
 from vllm_dualgpu.planner.errors import BadRequest, UnsupportedModel
 from vllm_dualgpu.planner.formats import FormatResolver, dense_format
 
@@ -452,21 +452,24 @@ class DrafterSpec:
                 "drafter directory as 'model' in --speculative-config"
             )
         text = dcfg.get("text_config") or dcfg
+        draft_format = str(spec.get("draft_weight_format") or "auto")
         window = dflash_sliding_window(text) if "dflash" in method else 0
         if window:  # sized below as the drafter's KV spec; the layers' weights are the same
-            dcfg = {k: v for k, v in dcfg.items() if k not in ("use_sliding_window", "sliding_window", "layer_types")}
+            dcfg = {k: v for k, v in dcfg.items() if k not in SLIDING_KEYS}
         try:
-            d = ModelSpec.from_hf_config(dcfg, weight_format=str(spec.get("draft_weight_format") or "auto"))
+            d = ModelSpec.from_hf_config(dcfg, weight_format=draft_format)
         except UnsupportedModel as e:
             raise UnsupportedModel(f"drafter: {e}") from None
         if d.is_hybrid:
             raise UnsupportedModel("drafter: linear-attention drafters are not sized by the planner yet")
         H = d.hidden_size
         db = dense_format(d.dtype).bits // 8
+        extras = None
         if "dflash" in method:
             dfl = text.get("dflash_config") or {}
             n_feat = len(dfl.get("target_layer_ids") or text.get("target_layer_ids") or []) or d.num_layers
-            fc = fc_bytes(dcfg, n_feat, str(spec.get("draft_weight_format") or "auto"))
+            fc = fc_bytes(dcfg, n_feat, draft_format)
+            extras = dflash2_extras(dcfg, k, draft_format)  # None unless a DFlash2 drafter
             passes = 1
         elif "eagle3" in method:
             fc = 3 * H * H * db
@@ -493,7 +496,6 @@ class DrafterSpec:
         weights = sum(d.layer_weight_bytes) + fc + d.final_norm_bytes
         head_read = own_head or target.lm_head_bytes
         read = sum(layer.decode_read_bytes for layer in d.layers) + fc + head_read
-        extras = dflash2_extras(dcfg, k, str(spec.get("draft_weight_format") or "auto")) if "dflash" in method else None
         if extras:
             weights += extras.weight_bytes
             read += extras.decode_read_bytes
