@@ -57,6 +57,10 @@ def needs_gpus(n: int):
 # --- a mismatched pair: two GPUs with ballast, or a virtual pair on one ---------------------------
 
 VIRTUAL_PAIR_ENV = "DUALGPU_VIRTUAL_PAIR"
+# A session's first boot of a Gated DeltaNet model compiles and autotunes Triton's GDN prefill
+# kernels in each rank: on a fresh H200 the vision model's plugin run was still doing so when its
+# 200 s limit ended it (twenty-first session, docs/gpu-runs.md), where a warm one booted in ~100 s.
+FIRST_GDN_BOOT_S = 420
 """Set to a VLLM_DUALGPU_VIRTUAL_GPUS value to use that virtual pair even with two GPUs."""
 
 

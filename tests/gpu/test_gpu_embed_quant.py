@@ -17,7 +17,8 @@ import gpu_tokens as tok
 from gpu_runs import EMBEDQ_ENV
 from gpu_runs import embedq_kwargs as engine_kwargs
 from gpu_runs import embedq_prompts as prompts
-from gpu_harness import assert_applied, assert_ran, gpu_out, grep, needs_pair, pair_env, run_llm, tail  # noqa: F401
+from gpu_harness import (FIRST_GDN_BOOT_S, assert_applied, assert_ran, gpu_out, grep, needs_pair, pair_env,  # noqa: F401
+                         run_llm, tail)
 
 PATCH = "qwen3-next-embed-quant-config"
 EMBED_METHOD = "CompressedTensorsEmbeddingWNA16Int"
@@ -78,11 +79,11 @@ def checkpoints(tmp_path_factory):
 
 
 @needs_pair()
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(FIRST_GDN_BOOT_S + 400)
 def test_packed_embedding_under_pp2(checkpoints, gpu_out, record_property):
     dirs, expected = checkpoints
     q = run_llm(engine_kwargs(dirs["quantized"], "dualgpu"), generate_and_probe, log=gpu_out / "plugin-quantized.log",
-                timeout=240, env={**EMBEDQ_ENV, **pair_env()})
+                timeout=FIRST_GDN_BOOT_S, env={**EMBEDQ_ENV, **pair_env()})
     assert_ran(q)
     assert [len(o) for o in q["outputs"]] == [MAX_TOKENS] * len(prompts()), "the quantized arm did not generate"
     assert [w["pp_rank"] for w in q["workers"]] == [0, 1]

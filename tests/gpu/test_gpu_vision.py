@@ -10,7 +10,7 @@ import pytest
 import gpu_models as gm
 from gpu_runs import vision_kwargs as engine_kwargs
 from gpu_runs import vision_prompts as prompts
-from gpu_harness import assert_applied, assert_ran, gpu_out, needs_pair, pair_env, run_llm  # noqa: F401
+from gpu_harness import FIRST_GDN_BOOT_S, assert_applied, assert_ran, gpu_out, needs_pair, pair_env, run_llm  # noqa: F401
 
 PATCH = "vision-tower-first-rank-only"
 
@@ -40,11 +40,11 @@ def generate_and_probe(llm) -> dict:
 
 
 @needs_pair()
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(FIRST_GDN_BOOT_S + 200)
 def test_vision_weights_on_rank_0_only(tmp_path, gpu_out, record_property):
     model = gm.write_vision_model(tmp_path / "vision")
-    res = run_llm(engine_kwargs(model, "dualgpu"), generate_and_probe, log=gpu_out / "dualgpu.log", timeout=200,
-                  env=pair_env())
+    res = run_llm(engine_kwargs(model, "dualgpu"), generate_and_probe, log=gpu_out / "dualgpu.log",
+                  timeout=FIRST_GDN_BOOT_S, env=pair_env())
     assert_ran(res)
     assert len(res["outputs"]) == 2, "did not generate"
     w = {int(k): v for k, v in res["workers"].items()}
