@@ -216,17 +216,26 @@ class DualGpuWorker(Worker):
         self._warm_pp_communicators()
         if getattr(self, "_virtual_card", None) is not None:
             virtual_card.hold_to_card(self.device)  # NCCL's buffers now count outside torch
+        from_startup_plan = self._apply_vllms_startup_plan()
         if getattr(self.cache_config, "kv_cache_memory_bytes", None):
             available, split = self._set_kv_size_pass()
+            source = "--kv-cache-memory-bytes"
+            if from_startup_plan:
+                # vLLM saved requested - non-KV - 150 MiB, which holds no received hidden states.
+                tp_size = getattr(getattr(self, "parallel_config", None), "tensor_parallel_size", 1) or 1
+                received = pp_receive_bytes(self.model_runner, tp_size)
+                available = max(0, available - received)
+                source = (f"vLLM's startup plan (VLLM_ENABLE_STARTUP_PLAN, saved by an earlier boot; less "
+                          f"{received / 2**20:.0f} MiB for the hidden states this rank receives)")
             weights = _gib(getattr(self.model_runner, "model_memory_usage", 0) or 0)
             # vLLM ran its profile pass but measured nothing: the KV size is the one set. What this
             # rank holds is torch's own figure, after the cache was emptied.
             held = (f"torch's peak {_gib(torch.cuda.max_memory_allocated(self.device))}, "
                     f"reserved {_gib(torch.cuda.memory_reserved(self.device))}")
-            rank_summary.note("non-KV", f"not profiled (--kv-cache-memory-bytes); {held}")
-            logger.info("vllm-dualgpu rank %d: KV cache %s as set by --kv-cache-memory-bytes; vLLM "
+            rank_summary.note("non-KV", f"not profiled ({'startup plan' if from_startup_plan else source}); {held}")
+            logger.info("vllm-dualgpu rank %d: KV cache %s as set by %s; vLLM "
                         "skipped its memory profile, so the plan's non-KV figure is not checked; "
-                        "weights %s, %s%s", self.rank, _gib(available), weights, held, split)
+                        "weights %s, %s%s", self.rank, _gib(available), source, weights, held, split)
             return available
         # One unmeasured pass first (compilation, autotuning), then vLLM's measured one, which
         # vLLM runs under the allocator's split limit itself.
@@ -249,6 +258,21 @@ class DualGpuWorker(Worker):
         logger.info("vllm-dualgpu rank %d profiled: weights %s, non-KV %s, KV room %s of a %s budget%s",
                     self.rank, weights, non_kv, _gib(available), _gib(self.requested_memory), held)
         return available
+
+    def _apply_vllms_startup_plan(self) -> bool:
+        """vLLM 0.33's ``VLLM_ENABLE_STARTUP_PLAN``: a KV size saved by an earlier boot, which vLLM
+        sets on the first line of its ``determine_available_memory`` (v1/worker/gpu_worker.py:654)
+        and then skips its profile. Applied here first, so that this rank takes the set-size path
+        (no unmeasured warm-up pass, no "profiled" line for a size read from a file); vLLM's own
+        call then finds the size set and applies nothing. True when a plan set the size."""
+        try:
+            from vllm.v1.worker.startup_plan import maybe_apply_startup_plan
+        except ImportError:  # before vLLM 0.33
+            return False
+        if getattr(self.cache_config, "kv_cache_memory_bytes", None) is not None:
+            return False
+        maybe_apply_startup_plan(self)
+        return getattr(self.cache_config, "kv_cache_memory_bytes", None) is not None
 
     def _set_kv_size_pass(self) -> tuple[int, str]:
         """vLLM's pass for a set KV size under the allocator split limit, which vLLM applies only
