@@ -62,7 +62,8 @@ import pytest
 import gpu_models as gm
 import gpu_runs
 import gpu_tokens as tok
-from gpu_harness import assert_applied, assert_ran, gpu_out, grep, needs_pair, pair_env, run_llm, tail  # noqa: F401
+from gpu_harness import (FIRST_GDN_BOOT_S, assert_applied, assert_ran, gpu_out, grep, needs_pair, pair_env,  # noqa: F401
+                         run_llm, tail)
 
 PLAN_LINE = r"vllm-dualgpu plan: .*, predicted KV pool ([\d,]+) blocks"
 KV_SIZE_LINE = r"GPU KV cache size: ([\d,]+) tokens"
@@ -206,11 +207,11 @@ def check_run(name: str, res: dict, record_property) -> None:
 
 
 @needs_pair()
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(FIRST_GDN_BOOT_S + 480)
 def test_dflash_under_pp2_gives_stocks_tokens_and_the_planned_pool(dflash_models, gpu_out, record_property):
     target, drafter = dflash_models["target"], dflash_models["drafter"]
     stock = run_llm(gpu_runs.dflash_kwargs(target, drafter, 1), generate_and_probe, log=gpu_out / "stock.log",
-                    timeout=330, env=tok.run_env("bfloat16", gpu="0"))
+                    timeout=FIRST_GDN_BOOT_S, env=tok.run_env("bfloat16", gpu="0"))
     check_run("stock", stock, record_property)
     plan_file = gpu_out / "plan.json"
     plan_file.unlink(missing_ok=True)
