@@ -16,8 +16,10 @@ from vllm_dualgpu.log import logger
 from vllm_dualgpu.planner.gpus import parse_gpus
 from vllm_dualgpu.virtual_gpus import ENV as VIRTUAL_GPUS
 
-# Speculative methods that relay auxiliary hidden states between pipeline stages, and the
-# model types whose stages can relay them in vLLM 0.30 (eagle3_utils.py).
+# Speculative methods that relay auxiliary hidden states between pipeline stages. vLLM relays
+# them for a model whose decoder class declares it (aux_pp.py); where that class cannot be found
+# in the front end, these model types are taken as relaying them (LlamaModel, Qwen2Model and
+# Qwen3Model declare it in vLLM 0.30 to 0.33).
 AUX_METHODS = ("eagle3", "dflash")
 AUX_PP_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 # Model types whose decoder (Qwen3NextModel, Qwen3_5Model) relays them through the registry's
@@ -169,27 +171,36 @@ def _check_drafter(vllm_config) -> None:
     sc = vllm_config.speculative_config
     if sc is None or sc.method not in AUX_METHODS:
         return
+    from vllm_dualgpu.engine import aux_pp
+    from vllm_dualgpu.support import installed_vllm_version
+
     model_type = getattr(vllm_config.model_config.hf_text_config, "model_type", "")
-    if model_type in AUX_PP_MODEL_TYPES:
-        return
+    refused = (f"--speculative-config method '{sc.method}' needs auxiliary hidden states relayed "
+               f"between pipeline stages, which vLLM {installed_vllm_version()} does not do for "
+               f"model type '{model_type}'")
+    todo = ("Use method 'mtp' (if the model has MTP layers), run without speculative decoding, or "
+            "use --pipeline-parallel-size 1.")
     if model_type in AUX_RELAY_MODEL_TYPES:
         architectures = getattr(vllm_config.model_config.hf_config, "architectures", None) or ()
         problem = aux_relay_problem(architectures)
         if not problem:
             return
-        raise PreflightError(
-            f"--speculative-config method '{sc.method}' needs auxiliary hidden states relayed "
-            f"between pipeline stages. vLLM 0.30 does not relay them for model type "
-            f"'{model_type}', and the vllm-dualgpu patches that do cannot apply here: {problem}. "
-            "Use method 'mtp' (if the model has MTP layers), run without speculative decoding, "
-            "or use --pipeline-parallel-size 1."
-        )
-    raise PreflightError(
-        f"--speculative-config method '{sc.method}' needs auxiliary hidden states relayed "
-        f"between pipeline stages, which vLLM 0.30 does not do for model type '{model_type}'. "
-        "Use method 'mtp' (if the model has MTP layers), run without speculative decoding, or "
-        "use --pipeline-parallel-size 1."
-    )
+        raise PreflightError(f"{refused}, and the vllm-dualgpu patches that do cannot apply here: "
+                             f"{problem}. {todo}")
+    relay = aux_pp.find(vllm_config.model_config)
+    if relay.relays:
+        return
+    if relay.relays is False:
+        raise PreflightError(f"{refused} ({relay.model_class}: its decoder {relay.decoder_class} does not "
+                             f"declare {aux_pp.FLAG}). {todo}")
+    model = relay.model_class or "the model's class"
+    if model_type in AUX_PP_MODEL_TYPES:
+        logger.warning("vllm-dualgpu: the decoder class of %s was not found (%s); model type '%s' is "
+                       "taken as relaying auxiliary hidden states between stages", model, relay.why, model_type)
+        return
+    raise PreflightError(f"{refused} as far as vllm-dualgpu can tell: the decoder class of {model} was "
+                         f"not found ({relay.why}) and, without it, only model types "
+                         f"{', '.join(AUX_PP_MODEL_TYPES)} are accepted. {todo}")
 
 
 def aux_relay_problem(architectures=()) -> str:

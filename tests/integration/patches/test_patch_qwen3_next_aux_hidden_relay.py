@@ -218,9 +218,13 @@ def test_preflight_refuses_when_a_relay_patch_is_missing_or_would_skip(monkeypat
 
 
 def test_preflight_keeps_refusing_other_model_types_and_accepts_vllms_own():
+    import importlib.metadata
+    import re
+
     from vllm_dualgpu.engine import preflight
 
-    with pytest.raises(preflight.PreflightError, match="which vLLM 0.30 does not do for model type 'deepseek_v3'"):
+    named = f"which vLLM {re.escape(importlib.metadata.version('vllm'))} does not do for model type 'deepseek_v3'"
+    with pytest.raises(preflight.PreflightError, match=named):
         preflight._check_drafter(drafter_config("deepseek_v3", architectures=("DeepseekV3ForCausalLM",)))
     preflight._check_drafter(drafter_config("llama", architectures=("LlamaForCausalLM",)))
     preflight._check_drafter(drafter_config("qwen3_5_text", method="mtp"))
