@@ -17,9 +17,8 @@ from vllm_dualgpu.planner.gpus import parse_gpus
 from vllm_dualgpu.virtual_gpus import ENV as VIRTUAL_GPUS
 
 # Speculative methods that relay auxiliary hidden states between pipeline stages. vLLM relays
-# them for a model whose decoder class declares it (aux_pp.py); where that class cannot be found
-# in the front end, these model types are taken as relaying them (LlamaModel, Qwen2Model and
-# Qwen3Model declare it in vLLM 0.30 to 0.33).
+# them for a model whose decoder class declares it: these model types' decoders (LlamaModel,
+# Qwen2Model, Qwen3Model) do in vLLM 0.30 to 0.33; for others aux_pp.py asks the class.
 AUX_METHODS = ("eagle3", "dflash")
 AUX_PP_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 # Model types whose decoder (Qwen3NextModel, Qwen3_5Model) relays them through the registry's
@@ -187,6 +186,8 @@ def _check_drafter(vllm_config) -> None:
             return
         raise PreflightError(f"{refused}, and the vllm-dualgpu patches that do cannot apply here: "
                              f"{problem}. {todo}")
+    if model_type in AUX_PP_MODEL_TYPES:
+        return  # LlamaModel, Qwen2Model, Qwen3Model: no registry subprocess for the common case
     relay = aux_pp.find(vllm_config.model_config)
     if relay.relays:
         return
@@ -194,10 +195,6 @@ def _check_drafter(vllm_config) -> None:
         raise PreflightError(f"{refused} ({relay.model_class}: its decoder {relay.decoder_class} does not "
                              f"declare {aux_pp.FLAG}). {todo}")
     model = relay.model_class or "the model's class"
-    if model_type in AUX_PP_MODEL_TYPES:
-        logger.warning("vllm-dualgpu: the decoder class of %s was not found (%s); model type '%s' is "
-                       "taken as relaying auxiliary hidden states between stages", model, relay.why, model_type)
-        return
     raise PreflightError(f"{refused} as far as vllm-dualgpu can tell: the decoder class of {model} was "
                          f"not found ({relay.why}) and, without it, only model types "
                          f"{', '.join(AUX_PP_MODEL_TYPES)} are accepted. {todo}")
