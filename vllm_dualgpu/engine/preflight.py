@@ -19,7 +19,7 @@ from vllm_dualgpu.virtual_gpus import ENV as VIRTUAL_GPUS
 # Speculative methods that relay auxiliary hidden states between pipeline stages. vLLM relays
 # them for a model whose decoder class declares it: these model types' decoders (LlamaModel,
 # Qwen2Model, Qwen3Model) do in vLLM 0.30 to 0.33; for others aux_pp.py asks the class.
-AUX_METHODS = ("eagle3", "dflash")
+AUX_METHODS = ("eagle3", "dflash", "dspark", "extract_hidden_states")
 AUX_PP_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 # Model types whose decoder (Qwen3NextModel, Qwen3_5Model) relays them through the registry's
 # patches, in the workers; the text-only Qwen3.5 classes also need their layers set through
@@ -166,9 +166,21 @@ def check_platform(parallel_config) -> None:
         )
 
 
+def needs_aux_relay(sc) -> bool:
+    """Whether speculative config ``sc`` reads the target's auxiliary hidden states, which under
+    PP must be relayed between stages: vLLM 0.33's ``requires_aux_hidden_states``
+    (v1/worker/gpu/spec_decode/eagle/eagle3_utils.py:15-22; tests/integration/engine/
+    test_aux_methods.py holds this to it). An EAGLE3 drafter whose ``eagle_config`` says
+    ``use_aux_hidden_state: false`` reads none."""
+    if sc.method == "eagle3":
+        hf = getattr(getattr(sc, "draft_model_config", None), "hf_config", None)
+        return bool((getattr(hf, "eagle_config", None) or {}).get("use_aux_hidden_state", True))
+    return sc.method in AUX_METHODS
+
+
 def _check_drafter(vllm_config) -> None:
     sc = vllm_config.speculative_config
-    if sc is None or sc.method not in AUX_METHODS:
+    if sc is None or not needs_aux_relay(sc):
         return
     from vllm_dualgpu.engine import aux_pp
     from vllm_dualgpu.support import installed_vllm_version
