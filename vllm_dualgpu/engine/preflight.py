@@ -182,10 +182,12 @@ def _check_drafter(vllm_config) -> None:
     sc = vllm_config.speculative_config
     if sc is None or not needs_aux_relay(sc):
         return
+    model_type = getattr(vllm_config.model_config.hf_text_config, "model_type", "")
+    if model_type in AUX_PP_MODEL_TYPES:
+        return  # LlamaModel, Qwen2Model, Qwen3Model: no registry subprocess for the common case
     from vllm_dualgpu.engine import aux_pp
     from vllm_dualgpu.support import installed_vllm_version
 
-    model_type = getattr(vllm_config.model_config.hf_text_config, "model_type", "")
     refused = (f"--speculative-config method '{sc.method}' needs auxiliary hidden states relayed "
                f"between pipeline stages, which vLLM {installed_vllm_version()} does not do for "
                f"model type '{model_type}'")
@@ -198,8 +200,6 @@ def _check_drafter(vllm_config) -> None:
             return
         raise PreflightError(f"{refused}, and the vllm-dualgpu patches that do cannot apply here: "
                              f"{problem}. {todo}")
-    if model_type in AUX_PP_MODEL_TYPES:
-        return  # LlamaModel, Qwen2Model, Qwen3Model: no registry subprocess for the common case
     relay = aux_pp.find(vllm_config.model_config)
     if relay.relays:
         return

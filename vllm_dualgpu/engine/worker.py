@@ -222,9 +222,7 @@ class DualGpuWorker(Worker):
             source = "--kv-cache-memory-bytes"
             if from_startup_plan:
                 # vLLM saved requested - non-KV - 150 MiB, which holds no received hidden states.
-                tp_size = getattr(getattr(self, "parallel_config", None), "tensor_parallel_size", 1) or 1
-                received = pp_receive_bytes(self.model_runner, tp_size)
-                available = max(0, available - received)
+                available, received = self._less_received(available)
                 source = (f"vLLM's startup plan (VLLM_ENABLE_STARTUP_PLAN, saved by an earlier boot; less "
                           f"{received / 2**20:.0f} MiB for the hidden states this rank receives)")
             weights = _gib(getattr(self.model_runner, "model_memory_usage", 0) or 0)
@@ -242,10 +240,7 @@ class DualGpuWorker(Worker):
         first = profile_pass.first_profile_pass(self)
         if first:
             logger.info("vllm-dualgpu rank %d: %s", self.rank, first)
-        available = super().determine_available_memory()
-        tp_size = getattr(getattr(self, "parallel_config", None), "tensor_parallel_size", 1) or 1
-        received = pp_receive_bytes(self.model_runner, tp_size)
-        available = max(0, available - received)
+        available, received = self._less_received(super().determine_available_memory())
         weights = _gib(getattr(self.model_runner, "model_memory_usage", 0) or 0)
         record = getattr(self, "_dualgpu_rank", None)
         predicted = record.predicted_non_kv_bytes if record else None
@@ -258,6 +253,13 @@ class DualGpuWorker(Worker):
         logger.info("vllm-dualgpu rank %d profiled: weights %s, non-KV %s, KV room %s of a %s budget%s",
                     self.rank, weights, non_kv, _gib(available), _gib(self.requested_memory), held)
         return available
+
+    def _less_received(self, available: int) -> tuple[int, int]:
+        """``available`` less the hidden states this rank receives from the stage before it (vLLM's
+        profile does not hold them), and those bytes."""
+        tp_size = getattr(getattr(self, "parallel_config", None), "tensor_parallel_size", 1) or 1
+        received = pp_receive_bytes(self.model_runner, tp_size)
+        return max(0, available - received), received
 
     def _apply_vllms_startup_plan(self) -> bool:
         """vLLM 0.33's ``VLLM_ENABLE_STARTUP_PLAN``: a KV size saved by an earlier boot, which vLLM
