@@ -5,7 +5,11 @@ vLLM's worker decides it when the model is built: ``verify_supports_aux_hidden_s
 from the model's inner decoder (``_inner_decoder``: the ``.model`` of the model, or of its
 language model). The front end asks the same flag of the same class without building the model:
 the class vLLM will build (its registry) and the class of its ``.model``, read from the
-``__init__`` that assigns it (a class it calls, or one a ``self`` builder method returns).
+``__init__`` that assigns it (a class it calls, or one a ``self`` builder method returns). For a
+multimodal model, first the class of its language model, read the same way from the assignment
+under ``_mark_language_model`` (or to ``self.language_model``): a class it calls,
+``initialize_model(model_class=...)``, or ``init_vllm_registered_model`` with the architectures
+it names, else those of the text config.
 
 Model modules are imported where vLLM's registry imports the classes it inspects: in a
 subprocess (``registry._run_in_subprocess``; some modules start CUDA when imported). Where no
@@ -60,20 +64,120 @@ def _probe(model_config) -> tuple:
         model_cls, _ = ModelRegistry.resolve_model_cls(model_config.architectures, model_config=model_config)
     else:
         model_cls, _ = get_model_architecture(model_config)
-    r = relay_of(model_cls)
+    text = getattr(getattr(model_config, "hf_text_config", None), "architectures", None) or ()
+    r = relay_of(model_cls, text_architectures=tuple(text))
     return (r.model_class, r.decoder_class, r.relays, r.why)
 
 
-def relay_of(model_cls: type) -> AuxRelay:
-    """The answer for a loaded model class."""
+def relay_of(model_cls: type, text_architectures: tuple[str, ...] = ()) -> AuxRelay:
+    """The answer for a loaded model class; ``text_architectures``: the text config's, which a
+    multimodal model that names no architecture for its language model builds."""
     name = model_cls.__name__
     if callable(getattr(model_cls, "get_language_model", None)):
-        return AuxRelay(name, why=f"{name} is multimodal: its language model is chosen when it is built")
+        try:
+            language_model = language_model_class(model_cls, text_architectures)
+        except LookupError as exc:
+            return AuxRelay(name, why=f"{name} is multimodal and its language model was not found: {exc}")
+        inner = relay_of(language_model)
+        if inner.relays is None:
+            return AuxRelay(name, why=f"its language model {language_model.__name__}: {inner.why}")
+        return AuxRelay(name, inner.decoder_class, inner.relays)
     try:
         decoder = decoder_class(model_cls)
     except LookupError as exc:
         return AuxRelay(name, why=str(exc))
     return AuxRelay(name, decoder.__qualname__, bool(getattr(decoder, FLAG, False)))
+
+
+def language_model_class(model_cls: type, text_architectures: tuple[str, ...] = ()) -> type:
+    """The class of a multimodal model's language model (what ``get_language_model()`` returns):
+    the one module its ``__init__`` assigns under ``with self._mark_language_model(...)``, else
+    its ``self.language_model``. LookupError when no one class is found."""
+    for owner in model_cls.__mro__:
+        init = owner.__dict__.get("__init__")
+        if init is None or owner.__module__.split(".")[0] in ("builtins", "torch", "typing"):
+            continue
+        init = inspect.unwrap(init)
+        if not inspect.isfunction(init):
+            continue
+        tree = _parse(init, owner)
+        marked = [n for w in ast.walk(tree) if isinstance(w, ast.With) and _marks_language_model(w)
+                  for stmt in w.body for n in ast.walk(stmt)]
+        values = [v for v in (_assigned_any(n) for n in marked) if v is not None]
+        if len({attr for attr, _ in values}) != 1:
+            values = [("language_model", v) for v in (_assigned(n, "language_model") for n in ast.walk(tree))
+                      if v is not None]
+        if not values:
+            continue
+        classes = {_language_model_call(value, init, model_cls, text_architectures) for _, value in values}
+        if len(classes) == 1 and isinstance(next(iter(classes)), type):
+            return classes.pop()
+        shown = ", ".join(sorted({ast.unparse(v) for _, v in values}))
+        raise LookupError(f"{owner.__qualname__}.__init__ builds its language model as {shown}: no one class "
+                          "found" + ("" if text_architectures else
+                                     " (and the text config names no architectures to build it from)"))
+    raise LookupError(f"no __init__ of {model_cls.__name__} assigns a language model")
+
+
+def _marks_language_model(node: ast.With) -> bool:
+    return any(isinstance(item.context_expr, ast.Call) and isinstance(item.context_expr.func, ast.Attribute)
+               and item.context_expr.func.attr == "_mark_language_model" for item in node.items)
+
+
+def _assigned_any(node) -> tuple[str, ast.expr] | None:
+    """``(attr, value)`` of ``self.<attr> = <value>``."""
+    targets = node.targets if isinstance(node, ast.Assign) else (
+        [node.target] if isinstance(node, ast.AnnAssign) and node.value is not None else [])
+    for t in targets:
+        if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+            return t.attr, node.value
+    return None
+
+
+def _language_model_call(value: ast.expr, func, model_cls: type, text_architectures: tuple[str, ...]):
+    """The class a language model's builder call makes, or None: ``initialize_model(model_class=X)``;
+    ``init_vllm_registered_model`` (or ``initialize_model`` without a class) with
+    ``architectures=[...]`` literal, here or in a ``with_hf_config(...)`` it is given, else the
+    text config's architectures, resolved by vLLM's registry; any other call as for ``.model``."""
+    if not isinstance(value, ast.Call):
+        return None
+    called = value.func.attr if isinstance(value.func, ast.Attribute) else getattr(value.func, "id", "")
+    if called not in ("init_vllm_registered_model", "initialize_model"):
+        return _called_class(value, func, model_cls)
+    keywords = {k.arg: k.value for k in value.keywords if k.arg}
+    if "model_class" in keywords:
+        named = keywords["model_class"]
+        return func.__globals__.get(named.id) if isinstance(named, ast.Name) else None
+    archs = _literal_architectures(value)
+    return _registered_class(archs if archs is not None else text_architectures)
+
+
+def _literal_architectures(call: ast.Call) -> tuple[str, ...] | None:
+    """``architectures=[...]`` of strings in ``call`` or in a call among its arguments (the
+    ``vllm_config.with_hf_config(cfg, [...])`` form), or None."""
+    for node in ast.walk(call):
+        if not isinstance(node, ast.Call):
+            continue
+        given = [k.value for k in node.keywords if k.arg == "architectures"]
+        if not given and isinstance(node.func, ast.Attribute) and node.func.attr == "with_hf_config" \
+                and len(node.args) > 1:
+            given = [node.args[1]]
+        for v in given:
+            if isinstance(v, (ast.List, ast.Tuple)) and v.elts and all(
+                    isinstance(e, ast.Constant) and isinstance(e.value, str) for e in v.elts):
+                return tuple(e.value for e in v.elts)
+    return None
+
+
+def _registered_class(architectures: tuple[str, ...]):
+    """The first of ``architectures`` vLLM's registry loads, or None."""
+    from vllm.model_executor.models import ModelRegistry
+
+    for arch in architectures:
+        cls = ModelRegistry._try_load_model_cls(arch)
+        if cls is not None:
+            return cls
+    return None
 
 
 def decoder_class(model_cls: type) -> type:

@@ -67,6 +67,26 @@ def test_model_types_whose_decoder_relays_are_accepted(eagle3_pp2, arch, model_t
     assert preflight.check(cfg, 2) == []  # as with two GPUs visible
 
 
+# A tiny Qwen2.5-VL (transformers' Qwen2_5_VLConfig: its text config's model type is qwen2_5_vl_text).
+MROPE = {"rope_scaling": {"type": "mrope", "mrope_section": [16, 8, 8]}}
+QWEN2_5_VL = {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl", **TINY, **MROPE,
+              "text_config": {"model_type": "qwen2_5_vl_text", **TINY, **MROPE},
+              "vision_config": {"depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2,
+                                "out_hidden_size": 256, "fullatt_block_indexes": [1], "window_size": 112,
+                                "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "in_chans": 3},
+              "image_token_id": 1000, "video_token_id": 1001, "vision_start_token_id": 1002}
+
+
+@pytest.mark.slow
+def test_a_multimodal_model_whose_language_model_relays_is_accepted(eagle3_pp2):
+    """Qwen2.5-VL's language model is a Qwen2ForCausalLM (qwen2_5_vl.py:1443-1448), whose
+    Qwen2Model relays: vLLM's worker accepts EAGLE3 under PP, so the preflight does too."""
+    cfg = eagle3_pp2(QWEN2_5_VL)
+    assert cfg.model_config.hf_text_config.model_type == "qwen2_5_vl_text"  # not a type accepted at once
+    assert cfg.model_config.architectures == ["Qwen2_5_VLForConditionalGeneration"]
+    assert preflight.check(cfg, 2) == []
+
+
 @pytest.mark.slow
 def test_decoder_without_the_flag_is_refused_naming_version_type_and_classes(eagle3_pp2):
     """Qwen3MoeModel (qwen3_moe.py) is an EagleModelMixin that keeps the mixin's False
@@ -166,21 +186,59 @@ def test_a_fake_model_config_is_not_sent_to_a_subprocess(monkeypatch):
     assert relay.relays is None and relay.why
 
 
-def test_a_multimodal_model_is_no_answer():
-    """vLLM reads the flag from the language model's ``.model`` (``get_language_model()``), a model
-    chosen from the text config when it is built; its own ``.model`` is not the one."""
+# vLLM reads a multimodal model's flag from its language model's ``.model`` (``_inner_decoder``:
+# ``get_language_model()``, the module assigned under ``_mark_language_model``, interfaces.py:270-313).
+@pytest.mark.parametrize("module,outer,text_archs,decoder,relays", [
+    # qwen2_5_vl.py:1443-1448, init_vllm_registered_model(architectures=["Qwen2ForCausalLM"]); qwen2.py's flag
+    ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", (), "Qwen2Model", True),
+    # qwen3_vl.py:2043, Qwen3LLMForCausalLM(...) called; its self.model = Qwen3LLMModel(Qwen3Model), :1846/:1910
+    ("qwen3_vl", "Qwen3VLForConditionalGeneration", (), "Qwen3LLMModel", True),
+    # mllama4.py:780-785, initialize_model(model_class=Llama4ForCausalLM); Llama4Model(LlamaModel), llama4.py:384
+    ("mllama4", "Llama4ForConditionalGeneration", (), "Llama4Model", True),
+    # gemma4_mm.py:1145-1149 architectures=["Gemma4ForCausalLM"]; Gemma4Model keeps the mixin's False, gemma4.py:989
+    ("gemma4_mm", "Gemma4ForConditionalGeneration", (), "Gemma4Model", False),
+    # llava.py:568-573: hf_config=config.text_config, no architectures: the text config's say which
+    ("llava", "LlavaForConditionalGeneration", ("MistralForCausalLM",), "MistralModel", True),
+    ("llava", "LlavaForConditionalGeneration", ("Qwen3MoeForCausalLM",), "Qwen3MoeModel", False),
+])
+def test_a_multimodal_model_answers_for_its_language_model(module, outer, text_archs, decoder, relays):
+    from vllm_dualgpu.engine import aux_pp
+
+    try:
+        cls = getattr(importlib.import_module(f"vllm.model_executor.models.{module}"), outer)
+    except (ImportError, AttributeError) as exc:
+        pytest.skip(f"this vLLM has no {outer} importable here: {exc}")
+    relay = aux_pp.relay_of(cls, text_architectures=text_archs)
+    assert (relay.model_class, relay.decoder_class, relay.relays, relay.why) == (outer, decoder, relays, "")
+
+
+def test_a_multimodal_model_whose_text_config_names_no_architecture_is_no_answer():
+    from vllm.model_executor.models.llava import LlavaForConditionalGeneration
+
+    from vllm_dualgpu.engine import aux_pp
+
+    relay = aux_pp.relay_of(LlavaForConditionalGeneration)
+    assert relay.relays is None and relay.model_class == "LlavaForConditionalGeneration"
+    assert "text config" in relay.why and "architectures" in relay.why
+
+
+def test_a_multimodal_model_whose_language_model_is_not_found_is_no_answer():
     from torch import nn
     from vllm.model_executor.models.llama import LlamaModel
 
     from vllm_dualgpu.engine import aux_pp
 
+    def build():
+        return LlamaModel
+
     class Multimodal(nn.Module):
         def __init__(self):
             super().__init__()
-            self.model = LlamaModel()
+            self.model = LlamaModel()  # not the language model: vLLM reads get_language_model()'s .model
+            self.language_model = build()()
 
         def get_language_model(self):
-            return self.model
+            return self.language_model
 
     relay = aux_pp.relay_of(Multimodal)
-    assert relay.relays is None and "multimodal" in relay.why
+    assert relay.relays is None and "multimodal" in relay.why and "language model" in relay.why
