@@ -64,9 +64,21 @@ def _probe(model_config) -> tuple:
         model_cls, _ = ModelRegistry.resolve_model_cls(model_config.architectures, model_config=model_config)
     else:
         model_cls, _ = get_model_architecture(model_config)
-    text = getattr(getattr(model_config, "hf_text_config", None), "architectures", None) or ()
-    r = relay_of(model_cls, text_architectures=tuple(text))
+    r = relay_of(model_cls, text_architectures=text_architectures(getattr(model_config, "hf_text_config", None)))
     return (r.model_class, r.decoder_class, r.relays, r.why)
+
+
+def text_architectures(text_config) -> tuple[str, ...]:
+    """The architectures vLLM builds a language model from a text config by
+    (``VllmConfig.with_hf_config``, config/vllm.py:964-981 in 0.33): the config's own, else
+    transformers' causal-LM class for its model type."""
+    archs = getattr(text_config, "architectures", None)
+    if archs:
+        return tuple(archs)
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(text_config, "model_type", None))
+    return (name,) if name else ()
 
 
 def relay_of(model_cls: type, text_architectures: tuple[str, ...] = ()) -> AuxRelay:

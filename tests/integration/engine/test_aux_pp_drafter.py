@@ -200,6 +200,8 @@ def test_a_fake_model_config_is_not_sent_to_a_subprocess(monkeypatch):
     # llava.py:568-573: hf_config=config.text_config, no architectures: the text config's say which
     ("llava", "LlavaForConditionalGeneration", ("MistralForCausalLM",), "MistralModel", True),
     ("llava", "LlavaForConditionalGeneration", ("Qwen3MoeForCausalLM",), "Qwen3MoeModel", False),
+    # mistral3.py:498-500, as Llava: its text config (transformers' MistralForCausalLM for type mistral)
+    ("mistral3", "Mistral3ForConditionalGeneration", ("MistralForCausalLM",), "MistralModel", True),
 ])
 def test_a_multimodal_model_answers_for_its_language_model(module, outer, text_archs, decoder, relays):
     from vllm_dualgpu.engine import aux_pp
@@ -210,6 +212,20 @@ def test_a_multimodal_model_answers_for_its_language_model(module, outer, text_a
         pytest.skip(f"this vLLM has no {outer} importable here: {exc}")
     relay = aux_pp.relay_of(cls, text_architectures=text_archs)
     assert (relay.model_class, relay.decoder_class, relay.relays, relay.why) == (outer, decoder, relays, "")
+
+
+def test_a_text_config_without_architectures_builds_transformers_causal_lm_for_its_type():
+    """vLLM 0.33's with_hf_config (config/vllm.py:964-981): a text config that names no
+    architecture (as Llava's and Mistral 3's usually do) is built as transformers' causal-LM
+    class of its model type."""
+    from transformers import LlamaConfig, MistralConfig
+
+    from vllm_dualgpu.engine import aux_pp
+
+    assert MistralConfig().architectures is None
+    assert aux_pp.text_architectures(MistralConfig()) == ("MistralForCausalLM",)
+    assert aux_pp.text_architectures(LlamaConfig(architectures=["MyLlama"])) == ("MyLlama",)
+    assert aux_pp.text_architectures(None) == ()
 
 
 def test_a_multimodal_model_whose_text_config_names_no_architecture_is_no_answer():
