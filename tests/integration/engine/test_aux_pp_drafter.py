@@ -229,10 +229,12 @@ def test_a_text_config_without_architectures_builds_transformers_causal_lm_for_i
 
 
 def test_a_multimodal_model_whose_text_config_names_no_architecture_is_no_answer():
-    from vllm.model_executor.models.llava import LlavaForConditionalGeneration
-
     from vllm_dualgpu.engine import aux_pp
 
+    try:
+        from vllm.model_executor.models.llava import LlavaForConditionalGeneration
+    except ImportError as exc:  # vLLM 0.30's llava.py imports torchvision, which the CPU torch here lacks
+        pytest.skip(f"this vLLM's llava.py does not import here: {exc}")
     relay = aux_pp.relay_of(LlavaForConditionalGeneration)
     assert relay.relays is None and relay.model_class == "LlavaForConditionalGeneration"
     assert "text config" in relay.why and "architectures" in relay.why
