@@ -176,6 +176,37 @@ class _Patterns:
         return False
 
 
+#: The names vLLM and checkpoints give a model's input embedding, and vLLM's class for it:
+#: compressed-tensors matches a config group's targets against both (by name, exactly or as a
+#: ``re:`` regex, or by class name containing the target; utils.py find_matched_target).
+EMBEDDING_NAMES = ("model.embed_tokens", "model.language_model.embed_tokens", "language_model.model.embed_tokens")
+EMBEDDING_CLASS = "VocabParallelEmbedding"
+
+
+def targets_embedding(targets) -> bool:
+    """Whether a compressed-tensors config group with these ``targets`` quantizes the embedding."""
+    for t in targets or ():
+        if not isinstance(t, str) or not t:
+            continue
+        if t.startswith("re:"):
+            if any(re.match(t[3:], n) for n in EMBEDDING_NAMES):
+                return True
+        elif t in EMBEDDING_NAMES or t in EMBEDDING_CLASS:
+            return True
+    return False
+
+
+def embedding_bytes(f: WeightFormat, vocab: int, hidden: int, dense: WeightFormat) -> int:
+    """Bytes of a ``vocab x hidden`` input embedding stored in ``f``. Quantized, as vLLM's
+    ``CompressedTensorsEmbeddingWNA16Int.create_weights`` lays it out: int32 words of ``32 / bits``
+    values, one scale per group (or per row) in the model's dtype, and an int64 [2] shape."""
+    if f.kind == "dense":
+        return vocab * hidden * f.bits // 8
+    words = vocab * (hidden // (32 // f.bits)) * 4
+    scales = vocab * (hidden // f.group if f.scale == "group" else 1) * (dense.bits // 8)
+    return words + scales + 2 * 8
+
+
 def _fmt_from_compressed_tensors(weights: dict, fmt_name: str | None) -> WeightFormat:
     bits = int(weights.get("num_bits", 8))
     typ = weights.get("type", "int")
@@ -294,7 +325,7 @@ class FormatResolver:
                         raise BadRequest(f"unknown weight category {k!r}; use one of {', '.join(CATEGORIES)}")
                     by_cat[k] = _named(v)
                 base = cls.from_config(quant_config, quantization=quantization, dtype=dtype)
-                base.by_category = by_cat
+                base.by_category = {**base.by_category, **by_cat}  # the others as the checkpoint says
                 return base
             f = _named(wf)
             # One format for the decoder's linear layers; vision, embeddings and the head stay 16-bit.
@@ -332,6 +363,7 @@ class FormatResolver:
         if method == "compressed-tensors":
             ignore = _Patterns(qc.get("ignore") or [])
             targeted: list[tuple[_Patterns, WeightFormat]] = []
+            by_category: dict[str, WeightFormat] = {}
             fmt_name = qc.get("format")
             for group in (qc.get("config_groups") or {}).values():
                 w = group.get("weights")
@@ -339,15 +371,21 @@ class FormatResolver:
                     continue
                 f = _fmt_from_compressed_tensors(w, group.get("format") or fmt_name)
                 targets = group.get("targets") or ["Linear"]
+                if (targets_embedding(targets) and "embedding" not in by_category
+                        and not any(ignore.match(n) for n in EMBEDDING_NAMES)):
+                    if f.kind not in ("int8", "int4") or f.scale not in ("group", "channel"):
+                        raise UnsupportedModel(
+                            f"the checkpoint quantizes its embedding as {f.name}; vLLM loads only weight-only INT "
+                            "group/channel embeddings (compressed-tensors WNA16)")
+                    by_category["embedding"] = f
                 if any(t == "Linear" for t in targets):
                     targeted.append((_Patterns(["re:.*"]), f))
                 else:
                     targeted.append((_Patterns(targets), f))
             if not targeted:
                 return cls(default=dense, dense=dense, method="compressed-tensors (no weight groups)")
-            return cls(
-                default=targeted[-1][1], dense=dense, ignore=ignore, targeted=targeted, method="compressed-tensors"
-            )
+            return cls(default=targeted[-1][1], dense=dense, ignore=ignore, targeted=targeted,
+                       by_category=by_category, method="compressed-tensors")
         if method.startswith("modelopt"):
             algo = str(qc.get("quant_algo") or ("NVFP4" if "fp4" in method else "FP8")).upper()
             exclude = _Patterns(qc.get("exclude_modules") or qc.get("ignore") or [])

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from vllm_dualgpu.planner.dflash import SLIDING_KEYS, dflash2_extras, fc_bytes
 from vllm_dualgpu.planner.errors import BadRequest, UnsupportedModel
-from vllm_dualgpu.planner.formats import FormatResolver, dense_format
+from vllm_dualgpu.planner.formats import EMBEDDING_NAMES, FormatResolver, dense_format, embedding_bytes
 
 from vllm_dualgpu.planner.hf_config import EMBED_ON_EVERY_RANK_TYPES, FULL, LINEAR, DecoderConfig, GdnDims  # noqa: F401 (re-exported)
 
@@ -150,7 +150,7 @@ class ModelSpec:
         w = WeightCounter(dc, res)
         H, V, db = dc.hidden_size, dc.vocab_size, w.dense_bytes
         layers = [w.decoder_layer(i, kind) for i, kind in enumerate(dc.layer_types)]
-        embed = V * H * res.fmt(("model.embed_tokens", "model.language_model.embed_tokens"), "embedding").bits // 8
+        embed = embedding_bytes(res.fmt(EMBEDDING_NAMES, "embedding"), V, H, res.dense)
         lm_head = res.fmt(("lm_head",), "lm_head").linear_bytes(V, H)
         vision = w.vision_tower(cfg.get("vision_config") or {}) if dc.is_vl else VisionTower()
         mtp = w.mtp_layers(int(dc.text.get("mtp_num_hidden_layers") or 0))
