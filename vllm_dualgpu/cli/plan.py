@@ -128,8 +128,8 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--weight-format",
         default="auto",
-        help="auto (read quantization_config), fp8, int8, nvfp4, w4a16, bf16, or per category "
-        "'mlp=nvfp4,attention=fp8,linear_attention=fp8'",
+        help="auto (read quantization_config), fp8, int8, int8-g128, nvfp4, w4a16, bf16, or per category "
+        "'mlp=nvfp4,attention=fp8,linear_attention=fp8', or a format then categories 'int8-g128,embedding=int8-g128'",
     )
     p.add_argument(
         "--layer-partition",

@@ -116,13 +116,23 @@ CATEGORIES = (
 )
 
 
+#: Integer formats with their group size in the name: int8-g128, w8a16-g128, w4a16-g32, int4-g64.
+_GROUPED = re.compile(r"^(int8|w8a16|int4|w4a16)-g([1-9][0-9]*)$")
+
+
 def weight_format(name: str) -> WeightFormat:
-    try:
-        return FORMAT_ALIASES[name.strip().lower()]
-    except KeyError:
-        raise BadRequest(
-            f"unknown weight format {name!r}; use one of {', '.join(sorted(set(FORMAT_ALIASES)))}"
-        ) from None
+    key = name.strip().lower()
+    if key in FORMAT_ALIASES:
+        return FORMAT_ALIASES[key]
+    m = _GROUPED.match(key)
+    if m:
+        eight = m.group(1) in ("int8", "w8a16")
+        return WeightFormat(f"{'int8' if eight else 'w4a16'}-g{m.group(2)}", "int8" if eight else "int4",
+                            8 if eight else 4, "group", int(m.group(2)), 2)
+    raise BadRequest(
+        f"unknown weight format {name!r}; use one of {', '.join(sorted(set(FORMAT_ALIASES)))}, "
+        "or int8-gN / w4a16-gN for groups of N"
+    )
 
 
 _named = weight_format  # from_config's parameter of the same name shadows the function
@@ -315,17 +325,21 @@ class FormatResolver:
         if wf.lower() != "auto":
             if "=" in wf:
                 by_cat: dict[str, WeightFormat] = {}
+                bare = [p.strip() for p in wf.split(",") if p.strip() and "=" not in p]
+                if len(bare) > 1:
+                    raise BadRequest(f"bad --weight-format {wf!r}: at most one format without a category (the "
+                                     "decoder's linear layers), then CATEGORY=FORMAT parts")
                 for part in wf.split(","):
-                    if not part.strip():
+                    if not part.strip() or "=" not in part:
                         continue
-                    if "=" not in part:
-                        raise BadRequest(f"bad --weight-format part {part!r}; write CATEGORY=FORMAT")
                     k, v = (s.strip() for s in part.split("=", 1))
                     if k not in CATEGORIES:
                         raise BadRequest(f"unknown weight category {k!r}; use one of {', '.join(CATEGORIES)}")
                     by_cat[k] = _named(v)
-                base = cls.from_config(quant_config, quantization=quantization, dtype=dtype)
-                base.by_category = {**base.by_category, **by_cat}  # the others as the checkpoint says
+                # a bare format first: as --weight-format FORMAT; else what the checkpoint says
+                base = cls.from_config(quant_config, weight_format=bare[0] if bare else "auto",
+                                       quantization=quantization, dtype=dtype)
+                base.by_category = {**base.by_category, **by_cat}
                 return base
             f = _named(wf)
             # One format for the decoder's linear layers; vision, embeddings and the head stay 16-bit.
