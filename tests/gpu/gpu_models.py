@@ -325,11 +325,19 @@ def write_vision_files(out: Path, vocab_size: int, max_pixels: int = 512 * 512) 
 
 # --- the bundled 27B reference shapes in the reference setup's weight formats (dummy weights) ---
 
-# W8A16 as compressed-tensors writes it (int8 weights, one scale per output channel), skipping
-# what the bundled FP8 config skips (lm_head, the vision tower, the GDN in_proj_a/b, mtp.fc).
+# W8A16 as the reference setup's checkpoint most likely is (its config.json is not here; from what
+# is public): compressed-tensors int8 weights in groups of 128 with bf16 scales (its family's model
+# card: "group size 128, RTN"; the reference's docs: "INT8 group weights"), and the input embedding
+# INT8-packed in the same scheme (the reference's patch 08 passes quant_config to the embedding "so
+# the INT8 embed_tokens.weight_packed loads"), skipping what the bundled FP8 config skips (lm_head,
+# the vision tower, the GDN in_proj_a/b, mtp.fc). Before 2026-12-03 the virtual-pair runs carried
+# int8 with a scale per output channel and a bf16 embedding.
+W8A16_WEIGHTS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128,
+                 "dynamic": False, "actorder": None, "observer": "minmax"}
 W8A16_GROUP = {"targets": ["Linear"], "input_activations": None, "output_activations": None,
-               "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel",
-                           "group_size": None, "dynamic": False, "actorder": None, "observer": "minmax"}}
+               "weights": W8A16_WEIGHTS}
+W8A16_EMBED_GROUP = {"targets": ["re:.*embed_tokens$"], "input_activations": None, "output_activations": None,
+                     "weights": W8A16_WEIGHTS}
 # ModelOpt's NVFP4 (W4A4, groups of 16); vLLM runs it on SM 9.0 only through weight-only kernels.
 NVFP4 = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}
 REFERENCE_QUANTS = ("w8a16", "fp8", "nvfp4")
@@ -341,8 +349,8 @@ def reference_quant_config(quant: str, fp8: dict) -> dict:
     if quant == "fp8":
         return dict(fp8)
     if quant == "w8a16":
-        return {"quant_method": "compressed-tensors", "format": "pack-quantized",
-                "quantization_status": "compressed", "config_groups": {"group_0": W8A16_GROUP}, "ignore": skip}
+        return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+                "config_groups": {"group_0": W8A16_GROUP, "embeddings": W8A16_EMBED_GROUP}, "ignore": skip}
     if quant == "nvfp4":
         return {**NVFP4, "exclude_modules": skip}
     raise ValueError(f"quant {quant!r}: use one of {', '.join(REFERENCE_QUANTS)}")

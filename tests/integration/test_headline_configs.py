@@ -199,11 +199,14 @@ def test_every_arm_builds_in_vllm(engine_config, models, monkeypatch, launcher):
 def test_w8a16_quantizes_what_the_reference_checkpoint_does(engine_config, models, qwen3_5, v2_runner):
     """vLLM's compressed-tensors config of the W8A16 model, as its loader prepares it for
     Qwen3_5ForConditionalGeneration (names through its hf_to_vllm_mapper, its fused layers): the
-    language model's linear layers int8 weight-only, the vision tower and the GDN in_proj_a/b in
-    16 bits."""
+    language model's linear layers int8 weight-only in groups of 128 (the reference checkpoint's
+    family: "group size 128, RTN", the reference's "INT8 group weights"), its input embedding
+    INT8-packed (the reference's patch 08 passes quant_config to the embedding "so the INT8
+    embed_tokens.weight_packed loads"), the vision tower and the GDN in_proj_a/b in 16 bits."""
     from torch import nn
     from vllm.config import VllmConfig
     from vllm.model_executor.layers.linear import ColumnParallelLinear, QKVParallelLinear
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
     cfg = engine_config(**hl.arm_specs("w8a16-dflash2", models["w8a16"], total_gib=TOTAL, drafter=models["drafter"],
                                        virtual=hl.VIRTUAL)[-1].kwargs)
@@ -222,6 +225,10 @@ def test_w8a16_quantizes_what_the_reference_checkpoint_does(engine_config, model
     assert method(QKVParallelLinear, "language_model.model.layers.3.self_attn.qkv_proj")[0] == "CompressedTensorsLinearMethod"
     assert method(ColumnParallelLinear, "visual.blocks.0.mlp.linear_fc1")[0] == "UnquantizedLinearMethod"
     assert method(ColumnParallelLinear, "language_model.model.layers.0.linear_attn.in_proj_ba")[0] == "UnquantizedLinearMethod"
+    assert method(VocabParallelEmbedding, "language_model.model.embed_tokens")[0] == "CompressedTensorsEmbeddingWNA16Int"
+    assert method(ParallelLMHead, "language_model.lm_head")[0] != "CompressedTensorsLinearMethod"  # bf16 head
+    scheme = qc.get_scheme_dict(QKVParallelLinear.__new__(QKVParallelLinear), "language_model.model.layers.3.self_attn.qkv_proj")
+    assert (scheme["weights"].strategy, scheme["weights"].group_size) == ("group", 128)
 
 
 def test_the_planner_moves_layers_off_a_slower_card(models):
