@@ -22,7 +22,7 @@ from vllm_dualgpu.planner import ModelSpec, PlanRequest, fit, parse_gpus, refere
 
 DRAFTER = ROOT / "tests" / "fixtures" / "dflash2_drafter.json"
 # the recipes' weight formats (docs/recipes.md "Planned with"; the headline's dummy checkpoints)
-FORMAT = {"nvfp4-dflash2": "mlp=nvfp4,attention=fp8,linear_attention=fp8", "w8a16-dflash2": "int8",
+FORMAT = {"nvfp4-dflash2": "mlp=nvfp4,attention=fp8,linear_attention=fp8", "w8a16-dflash2": "int8-g128,embedding=int8-g128",
           "fp8-dflash2": None, "fp8-mtp": None}
 
 
