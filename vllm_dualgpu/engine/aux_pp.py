@@ -105,13 +105,7 @@ def language_model_class(model_cls: type, text_architectures: tuple[str, ...] = 
     """The class of a multimodal model's language model (what ``get_language_model()`` returns):
     the one module its ``__init__`` assigns under ``with self._mark_language_model(...)``, else
     its ``self.language_model``. LookupError when no one class is found."""
-    for owner in model_cls.__mro__:
-        init = owner.__dict__.get("__init__")
-        if init is None or owner.__module__.split(".")[0] in ("builtins", "torch", "typing"):
-            continue
-        init = inspect.unwrap(init)
-        if not inspect.isfunction(init):
-            continue
+    for owner, init in _inits(model_cls):
         tree = _parse(init, owner)
         marked = [n for w in ast.walk(tree) if isinstance(w, ast.With) and _marks_language_model(w)
                   for stmt in w.body for n in ast.walk(stmt)]
@@ -137,13 +131,16 @@ def _marks_language_model(node: ast.With) -> bool:
 
 
 def _assigned_any(node) -> tuple[str, ast.expr] | None:
-    """``(attr, value)`` of ``self.<attr> = <value>``."""
+    """``(attr, value)`` of ``self.<attr> = <value>``: its first ``self`` target."""
+    return next(iter(_self_targets(node)), None)
+
+
+def _self_targets(node) -> list[tuple[str, ast.expr]]:
+    """``(attr, value)`` for each ``self.<attr>`` an assignment ``node`` assigns ``value`` to."""
     targets = node.targets if isinstance(node, ast.Assign) else (
         [node.target] if isinstance(node, ast.AnnAssign) and node.value is not None else [])
-    for t in targets:
-        if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
-            return t.attr, node.value
-    return None
+    return [(t.attr, node.value) for t in targets
+            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"]
 
 
 def _language_model_call(value: ast.expr, func, model_cls: type, text_architectures: tuple[str, ...]):
@@ -195,13 +192,7 @@ def _registered_class(architectures: tuple[str, ...]):
 def decoder_class(model_cls: type) -> type:
     """The class of ``model_cls``'s ``.model``: the first ``__init__`` of its MRO that assigns
     ``self.model`` names it. LookupError when none is found."""
-    for owner in model_cls.__mro__:
-        init = owner.__dict__.get("__init__")
-        if init is None or owner.__module__.split(".")[0] in ("builtins", "torch", "typing"):
-            continue
-        init = inspect.unwrap(init)
-        if not inspect.isfunction(init):
-            continue
+    for owner, init in _inits(model_cls):
         nodes = list(ast.walk(_parse(init, owner)))
         if any(_assigned(node, "language_model") is not None for node in nodes):
             raise LookupError(f"{owner.__qualname__}.__init__ sets self.language_model, whose .model vLLM reads")
@@ -216,6 +207,17 @@ def decoder_class(model_cls: type) -> type:
     raise LookupError(f"no __init__ of {model_cls.__name__} sets self.model")
 
 
+def _inits(model_cls: type):
+    """``(owner, __init__)`` of each class in ``model_cls``'s MRO that defines its own, in Python."""
+    for owner in model_cls.__mro__:
+        init = owner.__dict__.get("__init__")
+        if init is None or owner.__module__.split(".")[0] in ("builtins", "torch", "typing"):
+            continue
+        init = inspect.unwrap(init)
+        if inspect.isfunction(init):
+            yield owner, init
+
+
 def _parse(func, owner) -> ast.AST:
     try:
         return ast.parse(textwrap.dedent(inspect.getsource(func)))
@@ -225,16 +227,7 @@ def _parse(func, owner) -> ast.AST:
 
 def _assigned(node, attr: str) -> ast.expr | None:
     """The value of ``self.<attr> = <value>`` (any value: a non-call cannot be followed)."""
-    if isinstance(node, ast.Assign):
-        targets = node.targets
-    elif isinstance(node, ast.AnnAssign) and node.value is not None:
-        targets = [node.target]
-    else:
-        return None
-    for t in targets:
-        if isinstance(t, ast.Attribute) and t.attr == attr and isinstance(t.value, ast.Name) and t.value.id == "self":
-            return node.value
-    return None
+    return next((value for a, value in _self_targets(node) if a == attr), None)
 
 
 def _called_class(value: ast.expr, func, model_cls: type):
