@@ -72,6 +72,17 @@ def allow_long_max_model_len() -> bool:
     return os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").strip().lower() in ("1", "true")
 
 
+def flashinfer_workspace_bytes() -> int | None:
+    """vLLM's ``VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE`` (bytes, vllm/envs.py: ``int(...)``), the
+    workspace FlashInfer's attention allocates on each rank that runs it; None when unset (vLLM's
+    default, 394 MiB) or not a number vLLM reads (vLLM then fails on it with its own error)."""
+    text = os.environ.get("VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE")
+    try:
+        return int(text) if text is not None else None
+    except ValueError:
+        return None
+
+
 def parse_size(text: str, *, what: str = "size") -> int:
     """'1.5GiB' -> bytes: the planner's reader (bare numbers are GiB below 1024, else bytes)."""
     from vllm_dualgpu.planner.gpus import parse_size as _parse

@@ -34,7 +34,7 @@ GPUS = "RTX 4070 Ti SUPER:16GiB,RTX 5090:32GiB"
 SAME = ("objective", "max_model_len", "kv_cache_dtype", "block_size", "max_num_seqs", "max_num_batched_tokens",
         "pp_size", "layer_partition", "num_gpu_blocks_override", "kv_cache_memory_bytes",
         "model_dtype", "enable_prefix_caching", "mamba_cache_dtype", "mamba_ssm_cache_dtype",
-        "enforce_eager", "vision_on_every_rank", "drafter_shares_embedding", "kv_grouping")
+        "enforce_eager", "vision_on_every_rank", "drafter_shares_embedding", "kv_grouping", "memory")
 
 DENSE = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 2560,
@@ -179,6 +179,24 @@ def test_mtp_command(qwen3_5_hybrid_config, tmp_path):
                        "--speculative-config '{\"method\": \"mtp\", \"num_speculative_tokens\": 3}'")
     result = assert_same(cli_request(d, argv), executor_request(cfg))
     assert result.drafter is not None
+
+
+def test_vllms_flashinfer_workspace_size_is_the_same_question(qwen3_5_hybrid_config, tmp_path, monkeypatch):
+    """vLLM allocates its FlashInfer workspace at VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE bytes (the
+    reference launchers set 128 MiB): `plan` and the executor read it from the same environment and
+    plan it; with vLLM's default (394 MiB) they plan that."""
+    monkeypatch.setenv("VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE", str(128 << 20))
+    cfg = qwen3_5_hybrid_config(max_model_len=4096, max_num_seqs=4, max_num_batched_tokens=2048,
+                                mamba_ssm_cache_dtype="float32")
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg.model_config.hf_config.to_dict()))
+    argv = ["--max-model-len", "4096", "--max-num-seqs", "4", "--max-num-batched-tokens", "2048"]
+    cli, executor = cli_request(d, argv), executor_request(cfg)
+    assert cli[1].memory.flashinfer_workspace_bytes == executor[1].memory.flashinfer_workspace_bytes == 128 << 20
+    assert_same(cli, executor)
+    monkeypatch.delenv("VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE")
+    assert cli_request(d, argv)[1].memory.flashinfer_workspace_bytes == 394 << 20  # vLLM's default
 
 
 DRAFTER = Path(__file__).resolve().parents[1] / "fixtures" / "dflash2_drafter_standin.json"

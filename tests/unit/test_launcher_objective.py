@@ -178,6 +178,16 @@ def test_the_doc_names_the_experts_splits():
         assert f"| {'/'.join(map(str, hl.EXPERT[launcher]['partition']))} |" in line, launcher
 
 
+def test_the_fp8_dflash2_recipe_says_what_the_launchers_flashinfer_workspace_gives(tmp_path, monkeypatch):
+    """docs/recipes.md: with the reference launchers' VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE
+    (128 MiB), which `plan` plans, FP8 + DFlash2 reaches the length and split it names."""
+    monkeypatch.setenv("VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE", "134217728")
+    f = planned("fp8-dflash2", tmp_path)["refusal"]
+    assert f is not None, "it fits now: the recipe can ask 262,144"
+    split = "/".join(map(str, f["split"]))
+    assert f"it reaches {f['largest']:,} at {split}" in (ROOT / "docs" / "recipes.md").read_text()
+
+
 if __name__ == "__main__":
     import tempfile
 

@@ -30,20 +30,30 @@ class RuntimeAssumptions:
     """Only rank 0 holds the vision tower's weights."""
     kv_grouping: str
     """"dualgpu" when the plugin's KV grouping patches are in force, else "stock"."""
+    flashinfer_workspace_bytes: int | None = None
+    """vLLM's VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE where set (the size FlashInfer allocates)."""
 
     def request_fields(self) -> dict:
         """The :class:`vllm_dualgpu.planner.PlanRequest` fields these assumptions decide."""
-        return {
+        fields = {
             "drafter_shares_embedding": self.drafter_shares_embedding,
             "vision_on_every_rank": not self.vision_tower_first_rank_only,
             "kv_grouping": self.kv_grouping,
         }
+        if self.flashinfer_workspace_bytes is not None:
+            from vllm_dualgpu.planner.memory import MemoryModel
+
+            fields["memory"] = MemoryModel(flashinfer_workspace_bytes=self.flashinfer_workspace_bytes)
+        return fields
 
     def describe(self) -> str:
+        fi = ("" if self.flashinfer_workspace_bytes is None else
+              f", FlashInfer workspace {self.flashinfer_workspace_bytes / 2**20:.0f} MiB "
+              "(VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE)")
         return (f"vLLM {self.vllm_version}: drafter "
                 f"{'shares' if self.drafter_shares_embedding else 'copies'} the target embedding, "
                 f"vision tower on {'rank 0 only' if self.vision_tower_first_rank_only else 'every rank'}, "
-                f"{self.kv_grouping} KV grouping")
+                f"{self.kv_grouping} KV grouping{fi}")
 
 
 def in_force(name: str, version: str, patches=None) -> bool:
@@ -61,6 +71,7 @@ def in_force(name: str, version: str, patches=None) -> bool:
 def runtime_assumptions(vllm_version: str | None = None, patches=None) -> RuntimeAssumptions:
     """The assumptions for ``vllm_version`` (default: the installed vLLM, else the newest
     supported release, which a fresh install gets)."""
+    from vllm_dualgpu.envs import flashinfer_workspace_bytes
     from vllm_dualgpu.support import CHECKED_RELEASES, installed_vllm_version, is_supported
 
     installed = installed_vllm_version()
@@ -75,4 +86,5 @@ def runtime_assumptions(vllm_version: str | None = None, patches=None) -> Runtim
         drafter_shares_embedding=in_force("drafter-shares-target-embed", version, patches),
         vision_tower_first_rank_only=in_force("vision-tower-first-rank-only", version, patches),
         kv_grouping="dualgpu" if kv else "stock",
+        flashinfer_workspace_bytes=flashinfer_workspace_bytes(),
     )
