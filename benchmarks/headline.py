@@ -44,7 +44,9 @@ Arms per launcher, each ``vllm.LLM`` in a fresh process group with a time limit:
    under the grouping vLLM 0.33 runs with the package (EXPERT_BLOCKS; the reference's 375 / 180
    were one request under its own grouping, without vLLM's null block); the plan's reserves do
    not apply to a hand-set pool (a pool past them is a warning, past a card a refusal); on two
-   GPUs the small card is index 0 here (CUDA_VISIBLE_DEVICES=0,1 instead of 1,0).
+   GPUs the small card is index 0 here (CUDA_VISIBLE_DEVICES=0,1 instead of 1,0). The launchers'
+   own environment goes with it (EXPERT_ENV: a 128 MiB FlashInfer workspace, expandable segments;
+   since 2026-12-03).
 2. plugin: ``--distributed-executor-backend dualgpu`` and the serving flags, nothing else.
 3. split-2 / split+2: the plugin with VLLM_PP_LAYER_PARTITION at its own split -2 and +2 layers;
    the expert's split too (split-at-expert: the plugin's per-step cost against the expert's on
@@ -195,10 +197,16 @@ def pair_env(virtual: str | None) -> dict:
     return {**order, "VLLM_DUALGPU_VIRTUAL_GPUS": virtual, "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
 
 
+#: What every reference launcher exports besides its split (launchers/*-262k.sh there): a 128 MiB
+#: FlashInfer workspace ("the default ... ran the card out of memory at full context") and
+#: expandable segments. The arms before 2026-12-03 ran without them.
+EXPERT_ENV = {"VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE": "134217728", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+
+
 def expert_env(launcher: str, virtual: str | None) -> dict:
-    """The expert's environment: its split, and the pair (the virtual cards, or on two GPUs the
-    small card first by index)."""
-    env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+    """The expert's environment: its split, the launchers' own variables, and the pair (the virtual
+    cards, or on two GPUs the small card first by index)."""
+    env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", **EXPERT_ENV,
            "VLLM_PP_LAYER_PARTITION": ",".join(map(str, EXPERT[launcher]["partition"]))}
     return {**pair_env(virtual), **env} if virtual else {**env, "CUDA_VISIBLE_DEVICES": "0,1"}
 

@@ -76,7 +76,7 @@ def test_the_arms_are_the_issues_on_the_virtual_pair(tmp_path):
     assert e.kwargs["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 3,
                                               "disable_eagle_block_drop": True}
     assert "enable_flashinfer_autotune" not in e.kwargs  # the MTP launcher does not pass it
-    assert e.env == {**a["plugin"].env, "VLLM_PP_LAYER_PARTITION": "20,44"}
+    assert e.env == {**a["plugin"].env, **hl.EXPERT_ENV, "VLLM_PP_LAYER_PARTITION": "20,44"}
     # without arm 2's split there are no split arms; a split equal to the plugin's is not rerun
     assert [x.kind for x in hl.arm_specs("fp8-mtp", tmp_path, total_gib=TOTAL, virtual=spec)].count("split") == 0
     same = by_name(hl.arm_specs("fp8-mtp", tmp_path, total_gib=TOTAL, chosen=[20, 44], virtual=spec))
@@ -92,6 +92,11 @@ def test_the_dflash2_launchers_take_the_experts_flags(tmp_path):
                                                             "num_speculative_tokens": 7}
         e = a["expert"]
         assert e.env["VLLM_PP_LAYER_PARTITION"] == split
+        # the launchers' own environment (launchers/*-262k.sh: a 128 MiB FlashInfer workspace,
+        # expandable segments); the plugin's arms run vLLM's defaults
+        assert e.env["VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE"] == "134217728"
+        assert e.env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+        assert not {"VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE", "PYTORCH_CUDA_ALLOC_CONF"} & set(a["plugin"].env)
         assert (e.kwargs["block_size"], e.kwargs["num_gpu_blocks_override"]) == (1664, hl.EXPERT_BLOCKS[launcher])
         assert e.kwargs["prefix_cache_retention_interval"] == 1664
         assert e.kwargs["enable_flashinfer_autotune"] is False
@@ -120,7 +125,7 @@ def test_two_gpus_keep_ballast_order_and_the_stock_arms(tmp_path):
     assert list(a)[:5] == ["stock-default", "stock-u0.11", "stock-u0.10", "stock-u0.09", "expert"]
     assert a["stock-default"].kwargs["distributed_executor_backend"] == "mp"
     assert a["expert"].env == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "VLLM_PP_LAYER_PARTITION": "20,44",
-                               "CUDA_VISIBLE_DEVICES": "0,1"}
+                               "CUDA_VISIBLE_DEVICES": "0,1", **hl.EXPERT_ENV}
     assert a["plugin"].env == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
 
 
