@@ -109,7 +109,7 @@ def language_model_class(model_cls: type, text_architectures: tuple[str, ...] = 
         tree = _parse(init, owner)
         marked = [n for w in ast.walk(tree) if isinstance(w, ast.With) and _marks_language_model(w)
                   for stmt in w.body for n in ast.walk(stmt)]
-        values = [v for v in (_assigned_any(n) for n in marked) if v is not None]
+        values = [t for n in marked for t in _self_targets(n)]
         if len({attr for attr, _ in values}) != 1:
             values = [("language_model", v) for v in (_assigned(n, "language_model") for n in ast.walk(tree))
                       if v is not None]
@@ -128,11 +128,6 @@ def language_model_class(model_cls: type, text_architectures: tuple[str, ...] = 
 def _marks_language_model(node: ast.With) -> bool:
     return any(isinstance(item.context_expr, ast.Call) and isinstance(item.context_expr.func, ast.Attribute)
                and item.context_expr.func.attr == "_mark_language_model" for item in node.items)
-
-
-def _assigned_any(node) -> tuple[str, ast.expr] | None:
-    """``(attr, value)`` of ``self.<attr> = <value>``: its first ``self`` target."""
-    return next(iter(_self_targets(node)), None)
 
 
 def _self_targets(node) -> list[tuple[str, ast.expr]]:

@@ -116,6 +116,13 @@ CATEGORIES = (
 )
 
 
+def int_group_format(bits: int, group: int, zero_points: bool = False) -> WeightFormat:
+    """Weight-only integers (8 or 4 bits) in groups of ``group`` inputs with a 16-bit scale each."""
+    if bits == 8:
+        return WeightFormat(f"int8-g{group}", "int8", 8, "group", group, 2, zero_points)
+    return WeightFormat("w4a16" if group == 128 else f"w4a16-g{group}", "int4", 4, "group", group, 2, zero_points)
+
+
 #: Integer formats with their group size in the name: int8-g128, w8a16-g128, w4a16-g32, int4-g64.
 _GROUPED = re.compile(r"^(int8|w8a16|int4|w4a16)-g([1-9][0-9]*)$")
 
@@ -126,9 +133,7 @@ def weight_format(name: str) -> WeightFormat:
         return FORMAT_ALIASES[key]
     m = _GROUPED.match(key)
     if m:
-        eight = m.group(1) in ("int8", "w8a16")
-        return WeightFormat(f"{'int8' if eight else 'w4a16'}-g{m.group(2)}", "int8" if eight else "int4",
-                            8 if eight else 4, "group", int(m.group(2)), 2)
+        return int_group_format(8 if m.group(1) in ("int8", "w8a16") else 4, int(m.group(2)))
     raise BadRequest(
         f"unknown weight format {name!r}; use one of {', '.join(sorted(set(FORMAT_ALIASES)))}, "
         "or int8-gN / w4a16-gN for groups of N"
@@ -237,14 +242,12 @@ def _fmt_from_compressed_tensors(weights: dict, fmt_name: str | None) -> WeightF
         return FP8_TENSOR
     if bits == 8:
         if strategy == "group":
-            return WeightFormat(f"int8-g{group}", "int8", 8, "group", group, 2, not symmetric)
+            return int_group_format(8, group, not symmetric)
         return INT8_CHANNEL
     if bits == 4:
         if strategy == "channel":
             return WeightFormat("w4a16-channel", "int4", 4, "channel", 0, 2, not symmetric)
-        return WeightFormat(
-            "w4a16" if group == 128 else f"w4a16-g{group}", "int4", 4, "group", group, 2, not symmetric
-        )
+        return int_group_format(4, group, not symmetric)
     raise UnsupportedModel(f"compressed-tensors weights with {bits} bits ({typ}) are not sized by the planner")
 
 
