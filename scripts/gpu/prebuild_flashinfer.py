@@ -1,4 +1,4 @@
-"""Build FlashInfer's JIT attention modules that the headline's arms need, before their workers ask.
+"""Build FlashInfer's JIT modules that the GPU runs need, before their workers ask.
 
 On a fresh GPU machine, vLLM 0.33's FlashInfer backend builds its attention kernels for an fp8 KV
 cache on first use, minutes each; in the thirteenth session they were still building when an arm's
@@ -9,7 +9,11 @@ build instead of starting its own), one after the other, and says how long each 
     python3 scripts/gpu/prebuild_flashinfer.py > OUT/prebuild.log 2>&1 &
     python3 scripts/gpu/prebuild_flashinfer.py --list      # the module names; builds nothing
 
-The modules are those the reference shapes (head dim 256) ask for with an fp8 KV cache on the
+First FlashInfer's radix top-k (``topk``): vLLM 0.33's ``LogitsProcessor.get_top_k_tokens`` takes
+it wherever FlashInfer can build, and the DFlash2 drafter's candidate selector asks for it on its
+first step. In the twenty-third session the DFlash2 test's stock run and the W8A16 + DFlash2 expert
+each waited on its build until their limits (more than six minutes on 16 cores: ``cub_topk.cu``).
+Then the attention modules the reference shapes (head dim 256) ask for with an fp8 KV cache on the
 virtual pair: rank 0, presenting capability 8.9, runs FlashInfer's FA2 prefill and decode with bf16
 queries; rank 1, presenting 9.0, its SM90 (FA3) prefill with fp8 queries. The names are FlashInfer's
 (the log's "Building JIT module ..." lines); FlashInfer compiles for the real GPU (torch's
@@ -28,10 +32,12 @@ def specs() -> list:
     import torch
     from flashinfer import prefill
     from flashinfer.jit.attention import modules
+    from flashinfer.jit.topk import gen_topk_module
 
     bf16, fp8, i32 = torch.bfloat16, torch.float8_e4m3fn, torch.int32
     rest = (256, 256, 0, False, False)  # head dims qk/vo, no RoPE in the kernel, no window, no soft cap
     return [
+        gen_topk_module(),
         prefill._gen_batch_prefill_primary_module("fa2", bf16, fp8, bf16, i32, *rest, False),
         modules.gen_batch_prefill_module("fa3", fp8, fp8, bf16, i32, *rest, False),
         modules.gen_batch_decode_module(bf16, fp8, bf16, i32, *rest),

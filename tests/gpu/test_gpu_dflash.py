@@ -63,7 +63,7 @@ import gpu_models as gm
 import gpu_runs
 import gpu_tokens as tok
 from gpu_harness import (FIRST_GDN_BOOT_S, assert_applied, assert_ran, gpu_out, grep, needs_pair, pair_env,  # noqa: F401
-                         run_llm, tail)
+                         patches_in_force, run_llm, tail)
 
 PLAN_LINE = r"vllm-dualgpu plan: .*, predicted KV pool ([\d,]+) blocks"
 KV_SIZE_LINE = r"GPU KV cache size: ([\d,]+) tokens"
@@ -82,18 +82,7 @@ PATCH_FAMILIES = {
 def dflash_patches(kind: str) -> list[str]:
     """The registry entries of ``kind``'s families in force for the installed vLLM (an entry fixed
     upstream, such as the quantized context-K/V pair since 0.31, is not in force)."""
-    from vllm_dualgpu.patching.registry import PATCHES
-    from vllm_dualgpu.plugin import installed_vllm_version
-    from vllm_dualgpu.support import version_in_range
-
-    version = installed_vllm_version()
-    names = []
-    for family in PATCH_FAMILIES[kind]:
-        entries = [p.name for p in PATCHES if re.fullmatch(rf"{re.escape(family)}(-0\d\d)?", p.name)
-                   and version_in_range(version, p.vllm_versions)]
-        assert len(entries) <= 1, f"{family}: {entries} in force for vLLM {version}"
-        names += entries
-    return names
+    return patches_in_force(PATCH_FAMILIES[kind])
 
 
 def probe_worker(worker) -> dict:

@@ -18,7 +18,7 @@ from gpu_runs import EMBEDQ_ENV
 from gpu_runs import embedq_kwargs as engine_kwargs
 from gpu_runs import embedq_prompts as prompts
 from gpu_harness import (FIRST_GDN_BOOT_S, assert_applied, assert_ran, gpu_out, grep, needs_pair, pair_env,  # noqa: F401
-                         run_llm, tail)
+                         patches_in_force, run_llm, tail)
 
 PATCH = "qwen3-next-embed-quant-config"
 EMBED_METHOD = "CompressedTensorsEmbeddingWNA16Int"
@@ -96,7 +96,7 @@ def test_packed_embedding_under_pp2(checkpoints, gpu_out, record_property):
         assert w["lookup_sha256"] == expected["dense_table_sha256"], f"rank {w['pp_rank']}'s lookup differs from the dense table"
     last = q["workers"][-1]
     assert last["drafter_embed_is_target_embed"] is True and last["drafter_embed"]["quant_method"] == EMBED_METHOD
-    assert_applied(q["log"], "worker", (PATCH,), at_least=2)
+    assert_applied(q["log"], "worker", patches_in_force((PATCH,)), at_least=2)
     d = run_llm(engine_kwargs(dirs["dense"], "dualgpu"), functools.partial(generate_and_probe, probe=False),
                 log=gpu_out / "plugin-dense.log", timeout=200, env={**EMBEDQ_ENV, **pair_env()})
     assert_ran(d)

@@ -1,4 +1,5 @@
-"""Patch of ``vllm.model_executor.kernels.linear``: SM89 ranks prefer the Triton block-FP8 kernel.
+"""Patches of vLLM's linear-kernel selection: SM89 ranks prefer the Triton block-FP8 kernel, and
+each rank asks whether CUTLASS block FP8 runs on its own card.
 
 ``choose_scaled_mm_linear_kernel`` is called as a module global (by ``init_fp8_linear_kernel``
 and the other ``init_*`` selectors of the same module) and no other module holds a copy
@@ -14,6 +15,7 @@ import sys
 from collections.abc import Callable
 
 from vllm_dualgpu.kernels import fp8_preference
+from vllm_dualgpu.patching.core import like
 
 
 def wrap_choose_scaled_mm_linear_kernel(original: Callable) -> Callable:
@@ -31,3 +33,29 @@ def wrap_choose_scaled_mm_linear_kernel(original: Callable) -> Callable:
                          quantization=quantization)
 
     return choose_scaled_mm_linear_kernel
+
+
+def wrap_cutlass_block_fp8_is_supported(original: Callable) -> Callable:
+    """``CutlassFp8BlockScaledMMKernel.is_supported(cls, compute_capability=None)``, asked of the
+    current device at each call.
+
+    vLLM's method reads ``CUTLASS_BLOCK_FP8_SUPPORTED``, which ``w8a8_utils`` computes once at
+    import; a worker imports it with its worker class, before it sets its device, so the answer
+    is device 0's on every rank. The replacement mirrors the method (the registry pins its
+    source) with the constant replaced by vLLM's own ``cutlass_block_fp8_supported()``, evaluated
+    now: the current device's capability once CUDA is initialised (capability-per-rank), device
+    0's before, as vLLM's import did.
+    """
+    from vllm.model_executor.layers.quantization.utils import w8a8_utils
+
+    def is_supported(cls, compute_capability=None):
+        if not w8a8_utils.cutlass_block_fp8_supported():
+            here = w8a8_utils.current_platform.get_device_capability()
+            return (
+                False,
+                f"CUTLASS block FP8 needs SM 9.0 or newer; this rank's device has compute "
+                f"capability {here.as_version_str() if here is not None else 'unknown'}.",
+            )
+        return True, None
+
+    return like(original, is_supported)

@@ -176,3 +176,19 @@ def test_virtual_pair_children_take_triton_attention_unless_chosen(monkeypatch):
     monkeypatch.setenv("DUALGPU_GPU_JIT_KERNELS", "1")  # vLLM's own choice, FA2 and its compile
     assert "attention_backend" not in with_virtual_pair_attention(kw, pair)
     assert "--attention-backend" not in cmd([], pair)
+
+
+def test_patches_in_force_names_each_releases_entry():
+    """The GPU tests check a patch family by the entry in force for the installed vLLM: the
+    twenty-third session's vision and packed-embedding runs passed their claims on vLLM 0.33 and
+    failed on the bare names (0.33 runs qwen3-next-embed-quant-config-032, and builds the vision
+    tower on the first rank itself)."""
+    from gpu_harness import patches_in_force
+
+    family = ("qwen3-next-embed-quant-config",)
+    assert patches_in_force(family, "0.30.0") == ["qwen3-next-embed-quant-config"]
+    assert patches_in_force(family, "0.33.0") == ["qwen3-next-embed-quant-config-032"]
+    assert patches_in_force(("vision-tower-first-rank-only",), "0.32.0") == ["vision-tower-first-rank-only"]
+    assert patches_in_force(("vision-tower-first-rank-only",), "0.33.0") == []
+    assert patches_in_force(("kv-groups-know-ranks", "pp-inflight-batches"), "0.33.0") == \
+        ["kv-groups-know-ranks-033", "pp-inflight-batches"]
