@@ -15,6 +15,7 @@ from gpu_harness import GiB, assert_ran, gpu_out, grep, model_dir, needs_pair, r
 
 SPEC = "RTX 4070 Ti SUPER:16GiB,NVIDIA H200:32GiB"
 RANK_LINE = r"vllm-dualgpu rank (\d)/2: "
+SELECTED_LINE = r"Worker_PP(\d) pid=\d+\) INFO .* Selected (\w+) for Fp8LinearMethod"
 
 
 def hold_and_overflow(_llm) -> dict:
@@ -102,6 +103,12 @@ def test_pp2_on_the_virtual_pair_presents_each_card(model_dir, gpu_out, record_p
     assert sorted(ranks) == [0, 1], f"rank summary lines: {ranks}"
     assert "virtual GPU: NVIDIA GeForce RTX 4070 Ti SUPER 16.0 GiB" in ranks[0], ranks[0]
     assert "virtual GPU: NVIDIA H200 32.0 GiB" in ranks[1], ranks[1]
+    # each rank selects its block-FP8 kernel for its own card: Triton on the SM 8.9 one (vLLM's
+    # import-time CUTLASS answer was device 0's: cutlass-block-fp8-per-rank), not CUTLASS
+    selected = {int(m.group(1)): m.group(2) for line in grep(log, SELECTED_LINE)
+                if (m := re.search(SELECTED_LINE, line))}
+    record_property("block-FP8 kernel per rank", selected)
+    assert selected.get(0) == "TritonFp8BlockScaledMMKernel", f"rank 0 (SM 8.9) selected {selected}"
     assert "fp8-configs: NVIDIA_GeForce_RTX_4070_Ti_SUPER" in ranks[0], ranks[0]
     assert "fp8-configs: NVIDIA_H200" in ranks[1], ranks[1]
     for r, line in ranks.items():
