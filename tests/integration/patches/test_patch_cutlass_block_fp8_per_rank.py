@@ -22,7 +22,7 @@ PATCH = "cutlass-block-fp8-per-rank"
 def cards(monkeypatch):
     """vLLM's CUTLASS kernel module on a pretend CUDA platform that answers the current card's
     capability (what capability-per-rank gives once CUDA is up), with vLLM's compiled support
-    check as csrc states it: block FP8 from SM 9.0 (CUDA 12)."""
+    check as vLLM issue #58241 bisected it on a GPU: 80, 86, 89 False; 90, 100 True."""
     from vllm.model_executor.kernels.linear.scaled_mm import cutlass
     from vllm.model_executor.layers.quantization.utils import w8a8_utils
     from vllm.platforms import PlatformEnum
