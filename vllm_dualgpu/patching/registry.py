@@ -310,8 +310,7 @@ PATCHES: tuple[Patch, ...] = (
         params=("cls", "compute_capability"),
         issue="#4",
         source_sha256="af191e31d7d2f308c5f2b55bbefa0a37e2d5d4a027029e50be9b402918c3ffc6",
-        upstream_draft="none yet: a one-line change (call cutlass_block_fp8_supported() in "
-        "is_supported); it belongs with upstream/per-device-capability",
+        upstream_draft="upstream/per-device-capability",
     ),
     # --- speculative decoding under PP (issue #6) ---
     Patch(
