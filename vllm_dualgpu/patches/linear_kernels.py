@@ -14,6 +14,7 @@ import functools
 import sys
 from collections.abc import Callable
 
+from vllm_dualgpu import rank_summary
 from vllm_dualgpu.kernels import fp8_preference
 from vllm_dualgpu.patching.core import like
 
@@ -35,6 +36,10 @@ def wrap_choose_scaled_mm_linear_kernel(original: Callable) -> Callable:
     return choose_scaled_mm_linear_kernel
 
 
+SUMMARY_KEY = "cutlass-block-fp8"
+"""``rank_summary`` key: said where a rank's answer differs from vLLM's import-time one."""
+
+
 def wrap_cutlass_block_fp8_is_supported(original: Callable) -> Callable:
     """``CutlassFp8BlockScaledMMKernel.is_supported(cls, compute_capability=None)``, asked of the
     current device at each call.
@@ -48,13 +53,20 @@ def wrap_cutlass_block_fp8_is_supported(original: Callable) -> Callable:
     """
     from vllm.model_executor.layers.quantization.utils import w8a8_utils
 
+    module = sys.modules[original.__module__]
+
     def is_supported(cls, compute_capability=None):
-        if not w8a8_utils.cutlass_block_fp8_supported():
-            here = w8a8_utils.current_platform.get_device_capability()
+        live = w8a8_utils.cutlass_block_fp8_supported()
+        here = w8a8_utils.current_platform.get_device_capability()
+        sm = here.as_version_str() if here is not None else "unknown"
+        imported = getattr(module, "CUTLASS_BLOCK_FP8_SUPPORTED", live)
+        if live != imported:  # the rank's summary line says where it parts from vLLM's answer
+            rank_summary.note(SUMMARY_KEY, f"{'on for' if live else 'off on'} this rank (SM {sm}); vLLM's "
+                                           f"import-time answer (device 0's) was {'on' if imported else 'off'}")
+        if not live:
             return (
                 False,
-                f"CUTLASS block FP8 needs SM 9.0 or newer; this rank's device has compute "
-                f"capability {here.as_version_str() if here is not None else 'unknown'}.",
+                f"CUTLASS block FP8 needs SM 9.0 or newer; this rank's device has compute capability {sm}.",
             )
         return True, None
 

@@ -46,6 +46,21 @@ def cards(monkeypatch):
     return c
 
 
+@pytest.fixture(autouse=True)
+def clean_summary():
+    from vllm_dualgpu import rank_summary
+
+    rank_summary.clear()
+    yield
+    rank_summary.clear()
+
+
+def summary() -> str | None:
+    from vllm_dualgpu import rank_summary
+
+    return rank_summary.facts().get("cutlass-block-fp8")
+
+
 @pytest.fixture
 def patched():
     import vllm
@@ -74,6 +89,8 @@ def test_sm89_rank_behind_a_blackwell_device_0_does_not_take_cutlass(cards, patc
     ok, why = kernel().is_supported()
     assert ok is False
     assert "8.9" in why or "89" in why, why
+    # the rank's summary line says its answer differs from the one vLLM computed at import
+    assert summary() == "off on this rank (SM 8.9); vLLM's import-time answer (device 0's) was on"
 
 
 def test_blackwell_rank_behind_an_sm89_device_0_keeps_cutlass(cards, patched):
@@ -81,8 +98,7 @@ def test_blackwell_rank_behind_an_sm89_device_0_keeps_cutlass(cards, patched):
     cards.import_worker_modules()  # device 0: the RTX 4070 Ti SUPER (vLLM's constant: False)
     cards.current = 1
     assert kernel().is_supported() == (True, None)
-    cards.current = 0
-    assert kernel().is_supported()[0] is False
+    assert summary() == "on for this rank (SM 12.0); vLLM's import-time answer (device 0's) was off"
 
 
 def test_same_cards_answer_as_vllm_does(cards, patched):
@@ -94,6 +110,7 @@ def test_same_cards_answer_as_vllm_does(cards, patched):
 
         for cards.current in (0, 1):
             assert kernel().is_supported()[0] is cutlass.CUTLASS_BLOCK_FP8_SUPPORTED, names
+    assert summary() is None  # nothing to say where the answers agree
 
 
 def test_unpatched_vllm_answers_for_device_0(cards):
