@@ -66,7 +66,7 @@ def wrap_cutlass_block_fp8_is_supported(original: Callable) -> Callable:
         if not live:
             return (
                 False,
-                f"CUTLASS block FP8 needs SM 9.0 or newer; this rank's device has compute capability {sm}.",
+                f"vLLM's CUTLASS block-FP8 kernels do not support this rank's device (compute capability {sm}).",
             )
         return True, None
 
