@@ -302,18 +302,12 @@ def patches_in_force(families, version: str | None = None) -> list[str]:
     vLLM). A family is an entry's name, or that name with a release suffix ("-032" covers the
     releases whose target moved); a family fixed upstream for that release (for example
     vision-tower-first-rank-only from vLLM 0.33) gives no entry."""
-    from vllm_dualgpu.patching.registry import PATCHES
+    from vllm_dualgpu.patching.registry import for_version
     from vllm_dualgpu.plugin import installed_vllm_version
-    from vllm_dualgpu.support import version_in_range
 
     version = version or installed_vllm_version()
-    names = []
-    for family in families:
-        entries = [p.name for p in PATCHES if re.fullmatch(rf"{re.escape(family)}(-0\d\d)?", p.name)
-                   and version_in_range(version, p.vllm_versions)]
-        assert len(entries) <= 1, f"{family}: {entries} in force for vLLM {version}"
-        names += entries
-    return names
+    # one entry at most per family and release: tests/unit/patching/test_one_entry_per_family_and_release.py
+    return [entry.name for family in families if (entry := for_version(family, version)) is not None]
 
 
 def assert_applied(log: Path, kind: str, names, at_least: int = 1) -> None:
