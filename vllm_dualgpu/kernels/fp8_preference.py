@@ -40,12 +40,21 @@ def enabled(env: dict | None = None) -> bool:
 
 
 def current_capability() -> tuple[int, int] | None:
-    """(major, minor) of the current CUDA device; None while CUDA is not initialised."""
+    """(major, minor) of the current CUDA device as vLLM's platform answers it, the answer vLLM's
+    own kernel checks (``is_supported_and_can_implement_kernel``) decide by; None while CUDA is
+    not initialised. Asked for the current device's visible ordinal, which vLLM's CUDA platforms
+    take for capabilities. On the virtual pair (docs/virtual-gpus.md) the platform answers the
+    card a rank presents while torch answers the physical GPU: the virtual pair's 14B FP8 run on
+    vLLM 0.33.0 (2026-12-03) read torch's 9.0 on the rank presenting SM 8.9, and vLLM chose
+    Marlin there."""
     import torch
 
     if not torch.cuda.is_initialized():
         return None
-    return tuple(torch.cuda.get_device_capability(torch.cuda.current_device()))  # type: ignore[return-value]
+    from vllm.platforms import current_platform
+
+    cap = current_platform.get_device_capability(torch.cuda.current_device())
+    return None if cap is None else (int(cap[0]), int(cap[1]))
 
 
 def capability_of(compute_capability: int | None) -> tuple[int, int] | None:

@@ -32,10 +32,20 @@ def gpus(monkeypatch):
         def cap(self, i=None):
             return CAPS[self.names[self.current if i is None else i]]
 
+        presented = None  # what vLLM's platform answers instead of the physical card (virtual pair)
+
+        def platform_cap(self, i=None):
+            return CAPS[self.presented] if self.presented else self.cap(i)
+
     g = Gpus()
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: g.initialized)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: g.current)
     monkeypatch.setattr(torch.cuda, "get_device_capability", g.cap)
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
+
+    monkeypatch.setattr(type(current_platform), "get_device_capability",
+                        classmethod(lambda cls, device_id=0: DeviceCapability(*g.platform_cap(device_id))))
     monkeypatch.delenv(pref.ENV, raising=False)
     return g
 
@@ -84,6 +94,18 @@ def test_decision_follows_the_current_device(gpus):
     assert not pref.prefer_triton_here()  # before init_device: no decision, vLLM's order
 
 
+def test_decision_follows_vllms_platform_not_torch(gpus):
+    """vLLM's kernel checks ask ``current_platform.get_device_capability()``; so does the
+    preference. Seen on the virtual pair (vLLM 0.33.0, 2026-12-03): rank 0 presented SM 8.9
+    through vLLM's platform while torch answered the H200's 9.0, and Marlin was selected."""
+    gpus.names = ["H200"]
+    gpus.presented = "RTX 4070 Ti SUPER"
+    assert pref.prefer_triton_here()
+    gpus.names = ["RTX 4070 Ti SUPER"]
+    gpus.presented = "H200"
+    assert not pref.prefer_triton_here()
+
+
 @pytest.mark.parametrize("value,expected", [("0", False), ("false", False), ("off", False), ("no", False),
                                             ("1", True), ("", True), ("yes", True)])
 def test_env_switch(gpus, monkeypatch, value, expected):
@@ -123,7 +145,7 @@ def sm_aware_vllm(monkeypatch, gpus):
 
     def supported(kernel, config, compute_capability):
         seen.append(kernel.__name__)
-        ok = need.get(kernel.__name__, lambda c: False)(gpus.cap())
+        ok = need.get(kernel.__name__, lambda c: False)(gpus.platform_cap())  # as vLLM's checks ask
         return ok, "" if ok else f"{kernel.__name__} is not supported here"
 
     monkeypatch.setattr(type(L.current_platform), "_enum", L.PlatformEnum.CUDA)
@@ -231,3 +253,15 @@ def test_non_sm89_rank_where_marlin_and_triton_both_run_keeps_marlin(sm_aware_vl
     assert choose(L, L._POSSIBLE_FP8_BLOCK_KERNELS) == pref.MARLIN
     gpus.current = 0  # the SM89 rank in the same process state
     assert choose(L, L._POSSIBLE_FP8_BLOCK_KERNELS) == pref.TRITON
+
+
+def test_a_rank_presenting_sm89_on_another_gpu_gets_triton(sm_aware_vllm, gpus):
+    """The virtual pair: the physical GPU is an H200 (torch: 9.0), vLLM's platform presents the
+    rank's RTX 4070 Ti SUPER (8.9); vLLM's checks refuse the SM90 kernels, the preference moves
+    Triton ahead of Marlin."""
+    L, _ = sm_aware_vllm
+    gpus.names = ["H200"]
+    gpus.presented = "RTX 4070 Ti SUPER"
+    assert choose(L, L._POSSIBLE_FP8_BLOCK_KERNELS) == pref.TRITON
+    gpus.presented = None  # the H200 as itself: vLLM's pick
+    assert choose(L, L._POSSIBLE_FP8_BLOCK_KERNELS) == "FlashInferFp8DeepGEMMDynamicBlockScaledKernel"
