@@ -86,7 +86,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[0]
 sys.path.insert(0, str(ROOT / "tests" / "gpu"))
 sys.path.insert(0, str(HERE))
-from gpu_harness import GiB, ballast, grep, on_signals_stop_all, run_llm, start_group, stop_group, tail  # noqa: E402
+from gpu_harness import (TORCH_TOPK_LINE, GiB, ballast, grep, on_signals_stop_all, run_llm, start_group,  # noqa: E402
+                         stop_group, tail)
 from gpu_models import gdn_prefill_config, write_reference_model  # noqa: E402
 from model_folders import add_models_option, kept_folder  # noqa: E402
 
@@ -534,6 +535,8 @@ def run_arm(arm: Arm, out: Path, job, timeout: float, cards_mib: list[int] | Non
     r["peak_mib"] = rank_peaks_mib(log, s.peak)
     r["card_mib"] = cards_mib
     r["rank_lines"] = grep(log, r"vllm-dualgpu rank \d")
+    # DUALGPU_GPU_TORCH_TOPK=1: vLLM's vocab top-k ran on torch.topk, not FlashInfer's (gpu_harness)
+    r["vocab_topk"] = "torch" if grep(log, TORCH_TOPK_LINE) else "vLLM's choice"
     r["refusals"] = [shorten(line) for line in grep(
         log, r"OutOfMemoryError|ValueError|does not fit|less than desired|maximum model length")][:4]
     asked = arm.kwargs.get("max_model_len", MAX_MODEL_LEN)

@@ -183,11 +183,27 @@ def kernel_env() -> dict:
     return {} if os.environ.get(JIT_KERNELS_ENV) == "1" else dict(PRECOMPILED_KERNELS)
 
 
+TORCH_TOPK_ENV = "DUALGPU_GPU_TORCH_TOPK"
+"""=1: every child's vLLM takes torch.topk for its vocab-parallel top-k, not FlashInfer's (whose JIT
+build a GPU machine without FlashInfer's precompiled kernels waits on: torch_topk_site/)."""
+TORCH_TOPK_SITE = Path(__file__).resolve().parent / "torch_topk_site"
+TORCH_TOPK_LINE = "gpu-harness: torch top-k instead of FlashInfer's in pid"
+
+
+def with_torch_topk(env: dict) -> dict:
+    """``env`` with torch_topk_site/ first on PYTHONPATH where DUALGPU_GPU_TORCH_TOPK=1 (in ``env``
+    or this process's environment), else ``env`` as it is."""
+    if (env.get(TORCH_TOPK_ENV) or os.environ.get(TORCH_TOPK_ENV)) != "1":
+        return env
+    rest = env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    return {**env, "PYTHONPATH": os.pathsep.join(p for p in (str(TORCH_TOPK_SITE), rest) if p)}
+
+
 def child_env(extra: dict | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "VLLM_TARGET_DEVICE"}
     # On SIGABRT every Python process of the group writes its threads' stacks (stop_group(dump=True)).
     env.setdefault("PYTHONFAULTHANDLER", "1")
-    return {**kernel_env(), **env, **(extra or {}), "PYTHONSAFEPATH": "1"}
+    return with_torch_topk({**kernel_env(), **env, **(extra or {}), "PYTHONSAFEPATH": "1"})
 
 
 def start_group(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
@@ -393,7 +409,7 @@ def _llm_child(engine_kwargs: dict, job, log: str, result: str, env: dict) -> No
     os.environ.pop("VLLM_TARGET_DEVICE", None)
     for key, value in kernel_env().items():
         os.environ.setdefault(key, value)
-    os.environ.update(env)
+    os.environ.update(with_torch_topk(env))  # the engine's and workers' processes start after this
     t0 = time.time()
     res: dict = {}
     try:

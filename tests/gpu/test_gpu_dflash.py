@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import os
 import re
 
 import pytest
@@ -62,8 +63,8 @@ import pytest
 import gpu_models as gm
 import gpu_runs
 import gpu_tokens as tok
-from gpu_harness import (FIRST_GDN_BOOT_S, assert_applied, assert_ran, gpu_out, grep, needs_pair, pair_env,  # noqa: F401
-                         patches_in_force, run_llm, tail)
+from gpu_harness import (FIRST_GDN_BOOT_S, TORCH_TOPK_ENV, TORCH_TOPK_LINE, assert_applied, assert_ran,  # noqa: F401
+                         gpu_out, grep, needs_pair, pair_env, patches_in_force, run_llm, tail)
 
 PLAN_LINE = r"vllm-dualgpu plan: .*, predicted KV pool ([\d,]+) blocks"
 KV_SIZE_LINE = r"GPU KV cache size: ([\d,]+) tokens"
@@ -169,6 +170,9 @@ def check_run(name: str, res: dict, record_property) -> None:
     """What each run must show on its own: every prompt generated, the drafter drafted, the
     repeated long prompt hit the prefix cache and gave its tokens again."""
     assert_ran(res)
+    if os.environ.get(TORCH_TOPK_ENV) == "1":  # both arms alike: torch.topk, not FlashInfer's JIT-built one
+        record_property(f"{name} vocab top-k", "torch (DUALGPU_GPU_TORCH_TOPK=1)")
+        assert grep(res["log"], TORCH_TOPK_LINE), f"{name}: the torch top-k switch was on and no process applied it"
     n = gpu_runs.DFLASH_MAX_TOKENS
     assert [len(o) for o in res["outputs"]] == [n] * len(gpu_runs.spec_prompts()), f"{name}: {res['outputs']}"
     record_property(f"{name} boot_s", res["boot_s"])

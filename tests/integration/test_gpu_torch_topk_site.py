@@ -1,0 +1,44 @@
+"""The GPU harness's torch top-k switch (DUALGPU_GPU_TORCH_TOPK=1, tests/gpu/torch_topk_site/): a
+child process's vLLM takes torch.topk for its vocab-parallel top-k, and says so on stderr; without
+the switch vLLM's own function stays. Through a real child process and vLLM's real module."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from gpu_harness import TORCH_TOPK_ENV, TORCH_TOPK_LINE, child_env
+
+PROBE = (
+    "import torch, vllm.model_executor.layers.logits_processor as lp; "
+    "v, i = lp._topk(torch.tensor([[0.5, 3.0, -1.0, 2.0]]), 2); "
+    "print(lp._flashinfer_topk.__name__, i.tolist(), v.tolist())"
+)
+
+
+def probe(switch: str | None) -> subprocess.CompletedProcess:
+    extra = {"VLLM_TARGET_DEVICE": "cpu", "PYTHONPATH": os.pathsep.join(sys.path[1:])}
+    if switch is not None:
+        extra[TORCH_TOPK_ENV] = switch
+    env = child_env(extra)
+    if switch is None:
+        env.pop(TORCH_TOPK_ENV, None)
+    return subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_switch_on_gives_torch_topk_and_says_so():
+    r = probe("1")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split()[0] == "_torch_topk_instead", r.stdout
+    assert "[[1, 3]] [[3.0, 2.0]]" in r.stdout, r.stdout
+    lines = [line for line in r.stderr.splitlines() if line.startswith(TORCH_TOPK_LINE)]
+    assert len(lines) == 1, r.stderr[-2000:]
+
+
+def test_switch_off_keeps_vllms_function():
+    for switch in (None, "0"):
+        r = probe(switch)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert r.stdout.split()[0] == "_flashinfer_topk", r.stdout
+        assert TORCH_TOPK_LINE not in r.stderr
