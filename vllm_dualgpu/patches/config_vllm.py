@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from vllm_dualgpu.patches.spec_common import is_dualgpu_pp
+from vllm_dualgpu.patches.spec_common import is_dualgpu_pp, uses_v2_model_runner
 
 
 def capped_batches(vllm_config: object, stock: int) -> int:
@@ -21,7 +21,7 @@ def capped_batches(vllm_config: object, stock: int) -> int:
     if not is_dualgpu_pp(vllm_config):
         return stock
     cfg = vllm_config  # a VllmConfig (is_dualgpu_pp checked its parallel_config)
-    if not (cfg.scheduler_config.async_scheduling and cfg.use_v2_model_runner):  # type: ignore[attr-defined]
+    if not (cfg.scheduler_config.async_scheduling and uses_v2_model_runner(cfg)):  # type: ignore[attr-defined]
         return stock
     return min(stock, cfg.parallel_config.pipeline_parallel_size)  # type: ignore[attr-defined]
 

@@ -17,7 +17,7 @@ import contextlib
 import functools
 from collections.abc import Callable
 
-from vllm_dualgpu.patches.spec_common import is_dualgpu_pp, is_dualgpu_run
+from vllm_dualgpu.patches.spec_common import is_dualgpu_pp, is_dualgpu_run, uses_v2_model_runner
 
 
 def skips_tower_here(vllm_config) -> bool:
@@ -28,7 +28,7 @@ def skips_tower_here(vllm_config) -> bool:
 
     if get_pp_group().is_first_rank:
         return False
-    return bool(vllm_config.use_v2_model_runner)
+    return uses_v2_model_runner(vllm_config)
 
 
 def stage_name_for(modalities: set[str]) -> str:

@@ -22,4 +22,11 @@ def is_dualgpu_pp(vllm_config: object) -> bool:
     return vllm_config.parallel_config.pipeline_parallel_size > 1  # type: ignore[attr-defined]
 
 
-__all__ = ["is_dualgpu_config", "is_dualgpu_pp", "is_dualgpu_run"]
+def uses_v2_model_runner(vllm_config: object) -> bool:
+    """Whether the workers run vLLM's V2 model runner: ``VllmConfig.use_v2_model_runner`` up to
+    vLLM 0.33; vLLM 0.34 removed the V1 runner and the property with it, so there it is always
+    the V2 runner."""
+    return bool(getattr(vllm_config, "use_v2_model_runner", True))
+
+
+__all__ = ["is_dualgpu_config", "is_dualgpu_pp", "is_dualgpu_run", "uses_v2_model_runner"]

@@ -35,13 +35,14 @@ HOLDS, MISSING, NOT_HERE = "holds", "missing", "not here"
 """A check's verdicts: the assumption holds; it does not (the reason says what differs); it
 cannot be checked on this machine (a library the intervention is for is not installed)."""
 
-CHECKED = ">=0.30.0,<0.34"
-"""Checked against vLLM 0.30.0 and 0.33.0 (and the releases between, which those bracket)."""
+CHECKED = ">=0.30.0,<0.35"
+"""Checked against vLLM 0.30.0, 0.33.0 and 0.34.0 (and the releases between, which those bracket)."""
+V030_033 = ">=0.30.0,<0.34"
 V030 = ">=0.30.0,<0.31"
-V030_032 = ">=0.30.0,<0.33"
-V031_033 = ">=0.31.0,<0.34"
-V033 = ">=0.33.0,<0.34"
 """Checked against 0.30.0 only: 0.33.0 differs (the reason is in ``why``)."""
+V030_032 = ">=0.30.0,<0.33"
+V031_034 = ">=0.31.0,<0.35"
+V033_034 = ">=0.33.0,<0.35"
 
 
 @dataclass(frozen=True)
@@ -533,7 +534,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
             kind=PRIVATE_API,
             target=f"{module}:GPUModelRunner.model_memory_usage",
             processes=(DEVICE,),
-            vllm_versions=CHECKED,
+            vllm_versions=versions,
             why=f"The rank summary line reports the weights' size the {runner} runner measured.",
             upstream=_NO_HOOK,
             remove_when="never (a report only; the check keeps it honest)",
@@ -542,9 +543,10 @@ INTERVENTIONS: tuple[Intervention, ...] = (
             issue="#3",
             upstream_draft="none: a reliance on what vLLM already has; it goes with the entries that use it",
         )
-        for suffix, runner, module in (
-            ("", "v1", "vllm.v1.worker.gpu_model_runner"),
-            ("-v2", "v2", "vllm.v1.worker.gpu.model_runner"),
+        for suffix, runner, module, versions in (
+            # vLLM 0.34 removed the v1 runner's module: the v2 runner is the only one
+            ("", "v1", "vllm.v1.worker.gpu_model_runner", V030_033),
+            ("-v2", "v2", "vllm.v1.worker.gpu.model_runner", CHECKED),
         )
     ),
     Intervention(
@@ -597,18 +599,18 @@ INTERVENTIONS: tuple[Intervention, ...] = (
              "rank's longest request."),
             (_KV, V030_032, "", "_max_memory_usage_bytes_from_groups", ("vllm_config", "kv_cache_groups"),
              "The KV grouping patch (kv-groups-without-padding) prices a grouping with it."),
-            (_KV_PLANNING, V033, "-033", "_project_kv_cache_groups_to_worker",
+            (_KV_PLANNING, V033_034, "-033", "_project_kv_cache_groups_to_worker",
              ("global_kv_cache_groups", "worker_spec"),
              "engine/context_fit.py, engine/kv_pricing.py and the KV grouping patch project the "
              "model's KV groups onto each rank with it."),
-            (_KV_PLANNING, V033, "-033", "_pool_bytes_per_block_from_builder",
+            (_KV_PLANNING, V033_034, "-033", "_pool_bytes_per_block_from_builder",
              ("builder", "vllm_config", "kv_cache_groups"),
              "engine/context_fit.py takes the null block off each rank's budget with it."),
-            (_KV_PLANNING, V033, "-033", "_estimate_max_model_len_from_groups",
+            (_KV_PLANNING, V033_034, "-033", "_estimate_max_model_len_from_groups",
              ("builder", "vllm_config", "kv_cache_groups", "available_memory"),
              "engine/context_fit.py and engine/kv_pricing.py ask vLLM's own estimate of each "
              "rank's longest request."),
-            (_KV_PLANNING, V033, "-033", "_max_memory_usage_bytes_from_groups",
+            (_KV_PLANNING, V033_034, "-033", "_max_memory_usage_bytes_from_groups",
              ("builder", "vllm_config", "kv_cache_groups"),
              "The KV grouping patch (kv-groups-without-padding-033) prices a grouping with it."),
         )
@@ -684,7 +686,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         kind=PRIVATE_API,
         target="vllm.platforms.interface:Platform._find_non_ssm_backends",
         processes=(WORKER,),
-        vllm_versions=V031_033,
+        vllm_versions=V031_034,
         why=(
             "find-non-ssm-backend under its vLLM 0.31+ name: a list of the stage's distinct "
             "non-SSM attention backends, empty for none (patches/platforms_interface.py)."

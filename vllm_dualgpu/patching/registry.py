@@ -15,16 +15,18 @@ from vllm_dualgpu.process import DEVICE, ENGINE, FRONTEND, WORKER
 VIRTUAL_GPUS = "virtual-gpus"
 """Patch.when of the emulation entries (vllm_dualgpu.virtual_gpus)."""
 
-# The releases each range was checked against: 0.30.0, 0.31.0, 0.32.0, 0.33.0 (no patch releases
+# The releases each range was checked against: 0.30.0, 0.31.0, 0.32.0, 0.33.0, 0.34.0 (no patch releases
 # exist between them). A range ends where upstream fixed the problem or moved the target; then
 # another entry (a name with a suffix) covers the later releases.
 V030 = ">=0.30.0,<0.31"
+V030_034 = ">=0.30.0,<0.35"
 V030_033 = ">=0.30.0,<0.34"
 V030_031 = ">=0.30.0,<0.32"
 V030_032 = ">=0.30.0,<0.33"
-V031_033 = ">=0.31.0,<0.34"
-V032_033 = ">=0.32.0,<0.34"
-V033 = ">=0.33.0,<0.34"
+V031_034 = ">=0.31.0,<0.35"
+V032_034 = ">=0.32.0,<0.35"
+V033_034 = ">=0.33.0,<0.35"
+V034 = ">=0.34.0,<0.35"
 
 # Why an entry has no draft in upstream/ (the field upstream_draft; upstream/README.md).
 NO_DRAFT_EXECUTOR_NAME = (
@@ -56,7 +58,7 @@ PATCHES: tuple[Patch, ...] = (
         name="executor-by-name",
         target="vllm.engine.arg_utils:EngineArgs.create_engine_config",
         processes=(FRONTEND,),
-        vllm_versions=V030_033,
+        vllm_versions=V030_034,
         why=(
             "Turns --distributed-executor-backend dualgpu into the DualGpuExecutor class (and "
             "dualgpu-ray into DualGpuRayExecutor, vLLM's Ray executor planned across machines) "
@@ -116,7 +118,7 @@ PATCHES: tuple[Patch, ...] = (
         name="known-env-vars-031",
         target="vllm.platforms.interface:Platform.validate_environ",
         processes=(FRONTEND,),
-        vllm_versions=V031_033,
+        vllm_versions=V031_034,
         why=(
             "known-env-vars for vLLM 0.31+, where vllm.envs.validate_environ is gone and the "
             "same loop is the classmethod Platform.validate_environ(cls, hard_fail) "
@@ -139,7 +141,7 @@ PATCHES: tuple[Patch, ...] = (
         name="capability-per-rank",
         target="vllm.platforms.cuda:NvmlCudaPlatform.get_device_capability",
         processes=(WORKER,),
-        vllm_versions=V030_033,
+        vllm_versions=V030_034,
         why=(
             "get_device_capability() defaults to device 0, and has_device_capability, "
             "is_device_capability(_family) and every kernel's is_supported() call it that way: "
@@ -159,7 +161,7 @@ PATCHES: tuple[Patch, ...] = (
         name="capability-per-rank-nonnvml",
         target="vllm.platforms.cuda:NonNvmlCudaPlatform.get_device_capability",
         processes=(WORKER,),
-        vllm_versions=V030_033,
+        vllm_versions=V030_034,
         why=(
             "Same as capability-per-rank for the platform class vLLM uses where NVML is "
             "unavailable (torch.cuda.get_device_capability(0) on every rank)."
@@ -175,7 +177,7 @@ PATCHES: tuple[Patch, ...] = (
         name="device-name-per-rank",
         target="vllm.platforms.cuda:NvmlCudaPlatform.get_device_name",
         processes=(WORKER,),
-        vllm_versions=V030_033,
+        vllm_versions=V030_034,
         why=(
             "get_device_name() defaults to logical device 0, which names the first rank's card "
             "on every rank (tuned-config file names, attention heuristics). Once CUDA is "
@@ -194,7 +196,7 @@ PATCHES: tuple[Patch, ...] = (
         name="device-name-per-rank-nonnvml",
         target="vllm.platforms.cuda:NonNvmlCudaPlatform.get_device_name",
         processes=(WORKER,),
-        vllm_versions=V030_033,
+        vllm_versions=V030_034,
         why=(
             "Same as device-name-per-rank for the platform class used without NVML, which takes "
             "a visible ordinal (torch.cuda.get_device_name)."
@@ -210,7 +212,7 @@ PATCHES: tuple[Patch, ...] = (
         name="config-file-name-per-rank",
         target="vllm.utils.platform_utils:get_device_name_as_file_name",
         processes=(WORKER,),
-        vllm_versions=V030_033,
+        vllm_versions=V030_034,
         why=(
             "The card name in tuned-config file names (fused MoE, block FP8, Mamba SSM) comes "
             "from this @cache'd function with device_id=0, so every rank reads the first rank's "
@@ -235,7 +237,7 @@ PATCHES: tuple[Patch, ...] = (
         name="fp8-configs-per-rank",
         target="vllm.model_executor.layers.quantization.utils.fp8_utils:get_w8a8_block_fp8_configs",
         processes=(WORKER,),
-        vllm_versions=V030_033,
+        vllm_versions=V030_034,
         why=(
             "The block-FP8 Triton GEMM reads its tuned configs only from vLLM's own configs/ "
             "folder (VLLM_TUNED_CONFIG_FOLDER is not honoured there) and by device 0's name on "
@@ -264,7 +266,7 @@ PATCHES: tuple[Patch, ...] = (
         name="sm89-triton-fp8",
         target="vllm.model_executor.kernels.linear:choose_scaled_mm_linear_kernel",
         processes=(WORKER,),
-        vllm_versions=V030_033,
+        vllm_versions=V030_034,
         why=(
             "On SM89 (RTX 40 series, L4, L40) the block-FP8 kernel list "
             "(_POSSIBLE_FP8_BLOCK_KERNELS) reaches MarlinFP8ScaledMMLinearKernel, which expands "
@@ -312,12 +314,37 @@ PATCHES: tuple[Patch, ...] = (
         source_sha256="af191e31d7d2f308c5f2b55bbefa0a37e2d5d4a027029e50be9b402918c3ffc6",
         upstream_draft="upstream/per-device-capability",
     ),
+    Patch(
+        name="cutlass-block-fp8-per-rank-034",
+        target="vllm.model_executor.kernels.linear.scaled_mm.cutlass:CutlassFp8BlockScaledMMKernel.is_supported",
+        processes=(WORKER,),
+        vllm_versions=V034,
+        why=(
+            "CutlassFp8BlockScaledMMKernel.is_supported reads CUTLASS_BLOCK_FP8_SUPPORTED, which "
+            "w8a8_utils computes once at import from device 0's capability; a worker imports it "
+            "with its worker class, before it sets its device, so every rank gets device 0's "
+            "answer. On a mixed pair an SM 8.9 rank behind an SM 9.0+ device 0 selects CUTLASS "
+            "block FP8, which its card cannot run (seen on the virtual pair: the rank presenting "
+            "8.9 logged 'Selected CutlassFp8BlockScaledMMKernel'), and an SM 12.0 rank behind an "
+            "SM 8.9 device 0 loses it. The replacement mirrors the method with vLLM's own "
+            "cutlass_block_fp8_supported() asked at the call, when the rank's device is set. "
+            "vLLM 0.34 changed only the method's refusal message (a missing space), so its source "
+            "has its own pin."
+        ),
+        upstream="none found (vLLM issue #58241 is about CUTLASS block FP8 and SM89, not this)",
+        remove_when="vLLM asks the current device in CutlassFp8BlockScaledMMKernel.is_supported",
+        factory="vllm_dualgpu.patches.linear_kernels:wrap_cutlass_block_fp8_is_supported",
+        params=("cls", "compute_capability"),
+        issue="#4",
+        source_sha256="90b5af6c4e0f080d8016870b843054718d3964613acef11eabf908b0336a276b",
+        upstream_draft="upstream/per-device-capability",
+    ),
     # --- speculative decoding under PP (issue #6) ---
     Patch(
         name="pp-inflight-batches",
         target="vllm.config.vllm:VllmConfig.max_concurrent_batches",
         processes=(ENGINE, WORKER),
-        vllm_versions=V030_033,
+        vllm_versions=V030_034,
         why=(
             "With async scheduling on the V2 model runner, max_concurrent_batches is "
             "pipeline_parallel_size + 1; with a drafter (MTP) under PP the extra in-flight batch "
@@ -341,7 +368,7 @@ PATCHES: tuple[Patch, ...] = (
         name="drafter-shares-target-embed",
         target="vllm.v1.worker.gpu.spec_decode.eagle.utils:maybe_share_target_embed",
         processes=(WORKER,),
-        vllm_versions=V030_033,
+        vllm_versions=V030_034,
         why=(
             "Under PP, maybe_share_target_embed returns early for drafters that do not declare "
             "has_own_embed_tokens (MTP), so the drafter on the last rank keeps its own copy of "
@@ -383,7 +410,7 @@ PATCHES: tuple[Patch, ...] = (
         name="kv-groups-know-ranks-033",
         target="vllm.v1.core.kv_cache_planning:get_kv_cache_configs",
         processes=(ENGINE,),
-        vllm_versions=V033,
+        vllm_versions=V033_034,
         why=(
             "kv-groups-know-ranks for vLLM 0.33, which moved KV planning to kv_cache_planning.py "
             "and groups the model in EngineCore (get_global_kv_cache_groups, v1/engine/core.py:"
@@ -426,7 +453,7 @@ PATCHES: tuple[Patch, ...] = (
         name="kv-groups-without-padding-033",
         target="vllm.v1.core.kv_cache_planning:_get_kv_cache_groups_uniform_page_size",
         processes=(ENGINE,),
-        vllm_versions=V033,
+        vllm_versions=V033_034,
         why=(
             "kv-groups-without-padding for vLLM 0.33 (the function moved to "
             "kv_cache_planning.py:416; get_kv_cache_groups still calls it as a module global "
@@ -467,7 +494,7 @@ PATCHES: tuple[Patch, ...] = (
         name="kv-drafter-pages-promoted-033",
         target="vllm.v1.core.kv_cache_planning:unify_kv_cache_spec_page_size",
         processes=(ENGINE,),
-        vllm_versions=V033,
+        vllm_versions=V033_034,
         why=(
             "kv-drafter-pages-promoted for vLLM 0.33 (the function moved to "
             "kv_cache_planning.py:346 and is called as a module global by get_kv_cache_groups)."
@@ -545,7 +572,7 @@ PATCHES: tuple[Patch, ...] = (
         name="hybrid-block-size-every-stage-032",
         target="vllm.platforms.interface:Platform.update_block_size_for_backend",
         processes=(WORKER,),
-        vllm_versions=V032_033,
+        vllm_versions=V032_034,
         why=(
             "hybrid-block-size-every-stage-031 for vLLM 0.32 and 0.33 (same source in both), "
             "which also checks the aligned size against every backend "
@@ -609,7 +636,7 @@ PATCHES: tuple[Patch, ...] = (
         name="qwen3-next-aux-hidden-relay",
         target="vllm.model_executor.models.qwen3_next:Qwen3NextModel.forward",
         processes=(DEVICE,),  # the model module starts CUDA when imported
-        vllm_versions=V030_033,
+        vllm_versions=V030_034,
         why=(
             "EAGLE3 and DFlash drafters read auxiliary hidden states of target layers spread "
             "over every PP stage; Qwen3NextModel.forward (the decoder of Qwen3-Next and, by "
@@ -636,7 +663,7 @@ PATCHES: tuple[Patch, ...] = (
         name="qwen3-next-aux-hidden-flag",
         target="vllm.model_executor.models.interfaces:EagleModelMixin._set_aux_hidden_state_layers",
         processes=(WORKER,),
-        vllm_versions=V030_033,
+        vllm_versions=V030_034,
         why=(
             "vLLM reserves the relay slots (reserve_aux_intermediate_tensor_slots) and accepts "
             "EAGLE3/DFlash under PP (verify_supports_aux_hidden_states_over_pp) only for a "
@@ -657,7 +684,7 @@ PATCHES: tuple[Patch, ...] = (
         name="qwen3-5-aux-hidden-layers",
         target="vllm.model_executor.models.qwen3_5:Qwen3_5ForCausalLMBase.set_aux_hidden_state_layers",
         processes=(DEVICE,),  # the model module starts CUDA when imported
-        vllm_versions=V030_033,
+        vllm_versions=V030_034,
         why=(
             "Text-only Qwen3.5 models (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM) store the "
             "auxiliary layers on the decoder directly, bypassing "
@@ -713,7 +740,7 @@ PATCHES: tuple[Patch, ...] = (
         name="qwen3-next-embed-quant-config-032",
         target="vllm.model_executor.layers.vocab_parallel_embedding:VocabParallelEmbedding.__init__",
         processes=(WORKER,),
-        vllm_versions=V032_033,
+        vllm_versions=V032_034,
         why=(
             "qwen3-next-embed-quant-config for vLLM 0.32+, whose __init__ adds the keyword-only "
             "reduce_results before quant_method (vocab_parallel_embedding.py:252-266); the "
@@ -750,7 +777,7 @@ PATCHES: tuple[Patch, ...] = (
         name="tool-call-args-closed-when-cut",
         target="vllm.parser.engine.parser_engine:ParserEngine._flush_arg_converter",
         processes=(FRONTEND,),
-        vllm_versions=">=0.30.0,<0.34",
+        vllm_versions=V030_034,
         why=(
             "Streaming sends a string argument as it grows and leaves its closing quote to this "
             "flush at the end of the call, which re-converts the arguments with partial=False: "
@@ -780,7 +807,7 @@ PATCHES: tuple[Patch, ...] = (
         name="qwen3-xml-param-text-in-value",
         target="vllm.parser.qwen3:_qwen3_arg_converter",
         processes=(FRONTEND,),
-        vllm_versions=">=0.30.0,<0.34",
+        vllm_versions=V030_034,
         why=(
             "The Qwen3 XML converter (qwen3_xml, qwen3_coder and every config built by "
             "qwen3_config) ends a value at `</parameter>` or at the next `<parameter=`, so a value "
@@ -809,7 +836,7 @@ PATCHES: tuple[Patch, ...] = (
         name="qwen3-xml-param-text-in-value-streamed",
         target="vllm.parser.qwen3:_qwen3_arg_value_extender",
         processes=(FRONTEND,),
-        vllm_versions=">=0.33.0,<0.34",
+        vllm_versions=V033_034,
         why=(
             "vLLM 0.33 streams an open Qwen3 XML value through a fast path that skips the "
             "converter and finds the open value with vLLM's rule, so next to "
@@ -833,7 +860,7 @@ PATCHES: tuple[Patch, ...] = (
         name="executor-help",
         target="vllm.engine.arg_utils:EngineArgs.add_cli_args",
         processes=(FRONTEND,),
-        vllm_versions=V030_033,
+        vllm_versions=V030_034,
         why=(
             "vllm serve --help=distributed-executor-backend lists the backends vLLM knows and "
             "not 'dualgpu', which only executor-by-name makes a valid value. The wrapper adds "
@@ -859,7 +886,7 @@ PATCHES: tuple[Patch, ...] = (
             name=name,
             target=target,
             processes=(WORKER,),
-            vllm_versions=V030_033,
+            vllm_versions=V030_034,
             why=why,
             upstream="none (an emulation for tests: several cards on one GPU)",
             remove_when="tests of mismatched pairs run on real pairs",

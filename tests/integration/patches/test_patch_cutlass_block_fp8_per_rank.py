@@ -15,7 +15,7 @@ import pytest
 
 CAPS = {"NVIDIA GeForce RTX 4070 Ti SUPER": (8, 9), "NVIDIA GeForce RTX 5090": (12, 0), "NVIDIA H200": (9, 0),
         "NVIDIA RTX A5000": (8, 6)}
-PATCH = "cutlass-block-fp8-per-rank"
+FAMILY = "cutlass-block-fp8-per-rank"
 
 
 @pytest.fixture
@@ -66,9 +66,10 @@ def patched():
     import vllm
 
     from vllm_dualgpu.patching.core import ALREADY, APPLIED, apply_patch, revert_patch
-    from vllm_dualgpu.patching.registry import PATCHES
+    from vllm_dualgpu.patching.registry import for_version
 
-    p = next(p for p in PATCHES if p.name == PATCH)
+    p = for_version(FAMILY, vllm.__version__)  # the entry pinned to this release's source
+    assert p is not None, f"no {FAMILY} entry for vLLM {vllm.__version__}"
     out = apply_patch(p, vllm.__version__)
     assert out.status == APPLIED, out.reason
     again = apply_patch(p, vllm.__version__)
