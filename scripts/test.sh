@@ -32,7 +32,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
 export PIP_NO_CACHE_DIR=1
 ROOT=$(pwd)
 VENVS=${TEST_VENVS:-$ROOT/.venvs/test}
-FULL=${TEST_RELEASES_FULL-"0.30.0:2.13.0 0.33.0:2.14.0"}
+FULL=${TEST_RELEASES_FULL-"0.30.0:2.13.0 0.33.0:2.14.0 0.34.0:2.14.0"}
 STATIC=${TEST_RELEASES_STATIC-"0.31.0 0.32.0"}
 PYTHON=${PYTHON:-python3}
 mkdir -p "$VENVS"
@@ -73,6 +73,30 @@ need_disk() {
     fi
 }
 
+# install_vllm_034 VENV: vLLM 0.34.0's wheel pins flashinfer-python==0.7.3, which PyPI does not
+# serve (0.7.2.post1 and 0.7.4 are there), so `pip install vllm==0.34.0` cannot resolve. Install
+# the wheel without dependencies, then every requirement it declares as declared, except that
+# pin, and flashinfer-python 0.7.4 in its place (the CPU suite imports none of FlashInfer's
+# kernels), and without the torch companions that make_venv removes anyway.
+install_vllm_034() {
+    local venv=$1
+    "$venv/bin/pip" install -q --no-deps "vllm==0.34.0" packaging >&2 || return 1
+    "$venv/bin/python" - > "$venv/vllm-requirements.txt" <<'PY' || return 1
+import importlib.metadata as m
+from packaging.requirements import Requirement
+for line in m.requires("vllm") or []:
+    r = Requirement(line)
+    if r.marker is not None and "extra" in str(r.marker):
+        continue
+    if r.name == "flashinfer-python":
+        print("flashinfer-python==0.7.4")
+    elif r.name not in ("torchvision", "torchaudio", "torchcodec"):  # removed below in any case
+        print(line)
+PY
+    echo "vLLM 0.34.0: its flashinfer-python==0.7.3 pin is not on PyPI; installing 0.7.4 in its place" >&2
+    "$venv/bin/pip" install -q -r "$venv/vllm-requirements.txt" >&2
+}
+
 # venv VERSION TORCH: a venv with vLLM VERSION on torch TORCH and this wheel; prints its path.
 make_venv() {
     local version=$1 torch=$2 venv="$VENVS/vllm-$1" t0
@@ -91,8 +115,12 @@ make_venv() {
         echo "torch $torch: $(( $(date +%s) - t0 )) s" >&2
         # The test extra (pytest, pytest-timeout), capstone (the sm hook coverage analysis) and
         # Ray (dualgpu-ray's tests run a local Ray cluster).
-        "$venv/bin/pip" install -q "vllm==$version" "pytest>=8" "pytest-timeout>=2" "capstone>=5" \
-            "ray==2.60.0" >&2 || return 1
+        if [ "$version" = 0.34.0 ]; then
+            install_vllm_034 "$venv" || return 1
+        else
+            "$venv/bin/pip" install -q "vllm==$version" >&2 || return 1
+        fi
+        "$venv/bin/pip" install -q "pytest>=8" "pytest-timeout>=2" "capstone>=5" "ray==2.60.0" >&2 || return 1
         echo "vLLM $version: $(( $(date +%s) - t0 )) s, $(du -sh "$venv" | cut -f1) in the venv, $(free_gb) GB left free" >&2
     fi
     "$venv/bin/pip" install -q --no-deps --force-reinstall "$wheel" >&2 || return 1

@@ -21,6 +21,38 @@ sys.path.insert(1, str(Path(__file__).parent / "gpu"))
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 
+def _triton_for_cpu_configs() -> None:
+    """vLLM 0.34's CPU platform refuses a config on x86 unless Triton counts as usable
+    (``vllm.triton_utils.HAS_TRITON``: "vLLM on x86 CPUs requires Triton (triton-cpu)"), and the
+    CUDA wheel's Triton has no active driver here. vLLM keeps Triton when CUDA_VISIBLE_DEVICES is
+    empty (a distributed worker before its devices are set), so its flag is computed once, at
+    import, under an empty CUDA_VISIBLE_DEVICES, which is then restored: the CPU tests build
+    configs and run no Triton kernel."""
+    if os.environ.get("VLLM_TARGET_DEVICE") != "cpu":
+        return
+    try:
+        import importlib.metadata
+
+        from packaging.version import Version
+
+        if Version(importlib.metadata.version("vllm")) < Version("0.34"):
+            return
+    except Exception:  # vLLM not installed (the unit layer needs none)
+        return
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        import vllm.triton_utils  # noqa: F401
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+
+_triton_for_cpu_configs()
+
+
 @pytest.fixture(autouse=True, scope="session")
 def vllm_logging_configured_once():
     """Configure vLLM's logging before any test captures logs: vLLM 0.33 configures it only when

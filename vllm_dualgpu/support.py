@@ -11,7 +11,7 @@ import importlib.metadata
 from vllm_dualgpu._version import SUPPORTED_VLLM, __version__
 
 #: The releases each range end of the registry was checked against (oldest first).
-CHECKED_RELEASES = ("0.30.0", "0.31.0", "0.32.0", "0.33.0")
+CHECKED_RELEASES = ("0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0")
 
 
 def installed_vllm_version() -> str | None:

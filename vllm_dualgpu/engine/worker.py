@@ -138,6 +138,12 @@ def _virtual_note(card, device) -> str:
     return f"{card.describe()}; NCCL host id {os.environ.get('NCCL_HOSTID')}; torch held to {_gib(cap)}"
 
 
+#: Why this worker turns vLLM 0.34's extensible KV cache off (vLLM logs it with its own warning).
+EXTENSIBLE_KV_OFF = ("vllm-dualgpu sizes each rank's KV cache from that rank's budget through vLLM's "
+                     "memory profile, as its plan predicts; the extensible KV cache is not "
+                     "supported under the dualgpu executors yet")
+
+
 class DualGpuWorker(Worker):
     def __init__(self, *args, **kwargs):
         # This process is in a dualgpu run: its config carries the executor's plan. Model code,
@@ -253,6 +259,20 @@ class DualGpuWorker(Worker):
         logger.info("vllm-dualgpu rank %d profiled: weights %s, non-KV %s, KV room %s of a %s budget%s",
                     self.rank, weights, non_kv, _gib(available), _gib(self.requested_memory), held)
         return available
+
+    def extensible_kv_cache_unsupported_reason(self) -> str | None:
+        """vLLM 0.34's extensible KV cache (on by default on CUDA) sizes the pool from memory
+        measured after warm-up and graph capture. This worker sizes each rank's pool from its own
+        budget through vLLM's profile, which is what the plan predicts; vLLM's engine asks every
+        worker before it profiles and turns the feature off everywhere, logging this reason."""
+        return EXTENSIBLE_KV_OFF
+
+    def disable_extensible_kv_cache(self) -> None:
+        """vLLM 0.34 recomputes ``requested_memory`` from the start snapshot here; keep this
+        rank's budget."""
+        budget = self.requested_memory
+        super().disable_extensible_kv_cache()
+        self.requested_memory = budget
 
     def _less_received(self, available: int) -> tuple[int, int]:
         """``available`` less the hidden states this rank receives from the stage before it (vLLM's

@@ -43,6 +43,7 @@ V030 = ">=0.30.0,<0.31"
 V030_032 = ">=0.30.0,<0.33"
 V031_034 = ">=0.31.0,<0.35"
 V033_034 = ">=0.33.0,<0.35"
+V034 = ">=0.34.0,<0.35"
 
 
 @dataclass(frozen=True)
@@ -481,20 +482,49 @@ INTERVENTIONS: tuple[Intervention, ...] = (
             kind=WORKER_CLASS,
             target=f"{_WORKER}.{method}",
             processes=(WORKER,),
-            vllm_versions=CHECKED,
-            why=f"DualGpuWorker overrides {method} and calls vLLM's with these parameters.",
+            vllm_versions=versions,
+            why=f"DualGpuWorker overrides {method} and calls vLLM's with these parameters." + extra,
             upstream=_NO_HOOK,
             remove_when="the worker class goes (see worker-class)",
             params=params,
             issue="#3",
             upstream_draft="upstream/per-rank-memory-reserve",
         )
-        for method, params in (
-            ("init_device", ("self",)),
-            ("determine_available_memory", ("self",)),
-            ("compile_or_warm_up_model", ("self",)),
-            ("initialize_from_config", ("self", "kv_cache_config")),
+        for method, params, versions, extra in (
+            ("init_device", ("self",), CHECKED, ""),
+            ("determine_available_memory", ("self",), CHECKED, ""),
+            ("compile_or_warm_up_model", ("self",), CHECKED, ""),
+            ("initialize_from_config", ("self", "kv_cache_config"), CHECKED, ""),
+            # vLLM 0.34's extensible KV cache, sized from memory measured after warm-up, is on by
+            # default on CUDA; its engine asks every worker this before it profiles
+            # (EngineCore._initialize_kv_caches) and, given a reason, turns it off everywhere.
+            ("extensible_kv_cache_unsupported_reason", ("self",), V034,
+             " It returns why the dualgpu worker sizes the KV cache by vLLM's profile (the plan's "
+             "model), so vLLM turns its extensible KV cache off on every rank with a warning."),
+            ("disable_extensible_kv_cache", ("self",), V034,
+             " vLLM's recomputes requested_memory from the start snapshot; the override keeps the "
+             "rank's budget."),
         )
+    ),
+    Intervention(
+        name="engine-asks-extensible-kv-cache",
+        kind=PRIVATE_API,
+        target=f"{_WORKER}.extensible_kv_cache_unsupported_reason",
+        processes=(ENGINE,),
+        vllm_versions=V034,
+        why=(
+            "vLLM 0.34 sizes the KV cache from memory measured after warm-up and graph capture "
+            "(the extensible KV cache, on by default on CUDA) unless a worker says it cannot: "
+            "its engine asks every worker before it profiles and then turns the feature off on "
+            "all of them, with a warning that names the reason. DualGpuWorker answers, so each "
+            "rank's pool comes from its budget through vLLM's profile, as the plan predicts."
+        ),
+        upstream=_NO_HOOK,
+        remove_when="the planner models the extensible KV cache's measured sizing per rank",
+        checks="vllm.v1.engine.core:EngineCore._initialize_kv_caches",
+        source_names=("extensible_kv_cache_unsupported_reason", "disable_extensible_kv_cache"),
+        issue="#3",
+        upstream_draft="none: a reliance on what vLLM already has; it goes with the entries that use it",
     ),
     # --- private vLLM attributes the worker sets or reads ---
     Intervention(
