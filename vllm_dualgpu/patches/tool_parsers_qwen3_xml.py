@@ -35,10 +35,16 @@ Both parser names resolve to ``Qwen3EngineToolParser``, an adapter over ``vllm.p
    vLLM's (names, one wrapping newline trimmed, ``json.dumps(..., ensure_ascii=False)``). The
    cost: a model that omits ``</parameter>`` before the next ``<parameter=`` gets the rest in
    that value (vLLM guesses a new parameter there).
-   On vLLM 0.33 a fast path streams an open value without re-converting
+   On vLLM 0.33 and 0.34 a fast path streams an open value without re-converting
    (``_qwen3_arg_value_extender``); it finds the open value with vLLM's rule, so
    :func:`wrap_qwen3_arg_value_extender` hands it out only where both rules agree on the open
    parameter and its text (elsewhere the engine converts every delta, as it does on 0.30-0.32).
+   vLLM 0.34 gives both functions a ``closed`` argument, a per-parser cache of the parameters
+   closed so far by vLLM's rule (``_ClosedParams``, filled by ``_qwen3_parse_params``), and
+   ``Qwen3Parser.__init__`` binds one to both when its converter is the module's
+   ``_qwen3_arg_converter`` (the replacement, once patched). The replacement converter takes it
+   and leaves it alone, re-reading the whole text as on 0.30-0.33, so the cache only ever holds
+   vLLM's rule for vLLM's fast path and the agreement check that guards it.
 
 ``qwen3_config`` (``functools.cache``) looks both functions up when it builds a config, so the
 factories clear its cache: configs built before the patch would keep vLLM's functions.
@@ -121,23 +127,48 @@ def wrap_qwen3_arg_converter(original: Callable[[str, bool], str]) -> Callable[[
     return _qwen3_arg_converter
 
 
-def _stock_open_param(raw_args: str) -> tuple[str, str] | None:
-    """The open parameter as vLLM 0.33's ``_param_value_extender`` finds it."""
-    from vllm.parser import qwen3
+def wrap_qwen3_arg_converter_034(original: Callable) -> Callable:
+    """Factory (vLLM 0.34): the converter above with 0.34's ``closed`` cache accepted and unused
+    (it holds vLLM's rule)."""
+    _clear_config_cache()
 
-    match = qwen3._PARTIAL_PARAM_RE.search(qwen3._PARAM_RE.sub("", raw_args))
-    return None if match is None else (match.group(1), match.group(2))
+    def _qwen3_arg_converter(raw_args: str, partial: bool, closed=None) -> str:
+        return qwen3_arg_converter(raw_args, partial)
+
+    return _qwen3_arg_converter
+
+
+def _same_open_param(stock, raw_args: str) -> bool:
+    """Whether vLLM's match of the open parameter (or None) has the name and text that this
+    module's rule finds open."""
+    found = None if stock is None else (stock.group(1), stock.group(2))
+    return found == parse_params(raw_args, True)[1]
 
 
 def wrap_qwen3_arg_value_extender(original: Callable) -> Callable:
     """Factory (vLLM 0.33): vLLM's fast path only where it streams the value the converter
     above sees open."""
     _clear_config_cache()
+    from vllm.parser import qwen3
 
     def _qwen3_arg_value_extender(raw_args: str):
-        if _stock_open_param(raw_args) != parse_params(raw_args, True)[1]:
+        stock = qwen3._PARTIAL_PARAM_RE.search(qwen3._PARAM_RE.sub("", raw_args))
+        if not _same_open_param(stock, raw_args):
             return None
         return original(raw_args)
+
+    return _qwen3_arg_value_extender
+
+
+def wrap_qwen3_arg_value_extender_034(original: Callable) -> Callable:
+    """Factory (vLLM 0.34): the same, vLLM's open parameter read through its cache."""
+    _clear_config_cache()
+    from vllm.parser import qwen3
+
+    def _qwen3_arg_value_extender(raw_args: str, closed=None):
+        if not _same_open_param(qwen3._qwen3_parse_params(raw_args, True, closed)[1], raw_args):
+            return None
+        return original(raw_args, closed=closed)
 
     return _qwen3_arg_value_extender
 

@@ -25,6 +25,7 @@ V030_031 = ">=0.30.0,<0.32"
 V030_032 = ">=0.30.0,<0.33"
 V031_034 = ">=0.31.0,<0.35"
 V032_034 = ">=0.32.0,<0.35"
+V033 = ">=0.33.0,<0.34"
 V033_034 = ">=0.33.0,<0.35"
 V034 = ">=0.34.0,<0.35"
 
@@ -771,8 +772,9 @@ PATCHES: tuple[Patch, ...] = (
     # --- tool-call parser fixes of the reference setup (issue #16 item 5) ---
     # Front end, every executor (tool calls are parsed in the API server), so each names the
     # opt-out VLLM_DUALGPU_TOOL_PARSER_FIXES=0. Bodies: patches/tool_parsers_qwen3_xml.py; what
-    # is fixed where: docs/tool-calling.md. Sources read in vLLM 0.30.0, 0.31.0, 0.32.0 and
-    # 0.33.0: the pinned functions are the same in all four, neither fix is upstream.
+    # is fixed where: docs/tool-calling.md. Sources read in vLLM 0.30.0, 0.31.0, 0.32.0, 0.33.0
+    # and 0.34.0: the flush is the same in all five, 0.34 changed the Qwen3 converter and fast
+    # path (the -034 entries); neither fix is upstream.
     Patch(
         name="tool-call-args-closed-when-cut",
         target="vllm.parser.engine.parser_engine:ParserEngine._flush_arg_converter",
@@ -807,7 +809,7 @@ PATCHES: tuple[Patch, ...] = (
         name="qwen3-xml-param-text-in-value",
         target="vllm.parser.qwen3:_qwen3_arg_converter",
         processes=(FRONTEND,),
-        vllm_versions=V030_034,
+        vllm_versions=V030_033,
         why=(
             "The Qwen3 XML converter (qwen3_xml, qwen3_coder and every config built by "
             "qwen3_config) ends a value at `</parameter>` or at the next `<parameter=`, so a value "
@@ -836,7 +838,7 @@ PATCHES: tuple[Patch, ...] = (
         name="qwen3-xml-param-text-in-value-streamed",
         target="vllm.parser.qwen3:_qwen3_arg_value_extender",
         processes=(FRONTEND,),
-        vllm_versions=V033_034,
+        vllm_versions=V033,
         why=(
             "vLLM 0.33 streams an open Qwen3 XML value through a fast path that skips the "
             "converter and finds the open value with vLLM's rule, so next to "
@@ -852,6 +854,56 @@ PATCHES: tuple[Patch, ...] = (
         issue="#16",
         optional=True,
         source_sha256="718f1a582b7ad787d3537bd3dcbe15ebad08962d472ef97d8f1b9177f00ab9f4",
+        opt_out=TOOL_PARSER_FIXES,
+        upstream_draft=NO_DRAFT_PARSER,
+    ),
+    Patch(
+        name="qwen3-xml-param-text-in-value-034",
+        target="vllm.parser.qwen3:_qwen3_arg_converter",
+        processes=(FRONTEND,),
+        vllm_versions=V034,
+        why=(
+            "qwen3-xml-param-text-in-value for vLLM 0.34, whose converter still ends a value at "
+            "the next `<parameter=` (the same _PARAM_RE, now read through _qwen3_parse_params) "
+            "and takes a third argument, closed: a per-parser cache of the parameters closed so "
+            "far by that rule, which Qwen3Parser.__init__ binds to the converter and the fast "
+            "path when its converter is the module's _qwen3_arg_converter (the replacement, "
+            "once patched). The replacement takes closed and leaves it alone (it re-reads the "
+            "whole text, as on 0.30-0.33), so the cache holds vLLM's rule only. The factory "
+            "clears qwen3_config's cache. Pinned to vLLM's source."
+        ),
+        upstream="none found in vLLM (sglang issue #39836 reports the same split in its Qwen3 "
+        "coder detector)",
+        remove_when="the supported vLLM keeps `<parameter=...>` text inside a Qwen3 XML argument "
+        "value",
+        factory="vllm_dualgpu.patches.tool_parsers_qwen3_xml:wrap_qwen3_arg_converter_034",
+        params=("raw_args", "partial", "closed"),
+        issue="#16",
+        optional=True,
+        source_sha256="676aa5418ee9bf992175ac446f5336565eca89819ddb98c550abb3d1ba665158",
+        opt_out=TOOL_PARSER_FIXES,
+        upstream_draft=NO_DRAFT_PARSER,
+    ),
+    Patch(
+        name="qwen3-xml-param-text-in-value-streamed-034",
+        target="vllm.parser.qwen3:_qwen3_arg_value_extender",
+        processes=(FRONTEND,),
+        vllm_versions=V034,
+        why=(
+            "qwen3-xml-param-text-in-value-streamed for vLLM 0.34, whose fast path takes the "
+            "parser's closed cache and still finds the open value with vLLM's rule (through "
+            "_qwen3_parse_params). The wrapper reads vLLM's open parameter through that cache "
+            "and hands out vLLM's fast path, with the cache, only where both rules agree on the "
+            "open parameter and its text. The factory clears qwen3_config's cache. Pinned to "
+            "vLLM's source."
+        ),
+        upstream="none (see qwen3-xml-param-text-in-value-034)",
+        remove_when="qwen3-xml-param-text-in-value-034 goes",
+        factory="vllm_dualgpu.patches.tool_parsers_qwen3_xml:wrap_qwen3_arg_value_extender_034",
+        params=("raw_args", "closed"),
+        issue="#16",
+        optional=True,
+        source_sha256="c9820f67f7f93420b4f118bdac7b46649bfd6ecb166a07197cb8a5cc7c554d25",
         opt_out=TOOL_PARSER_FIXES,
         upstream_draft=NO_DRAFT_PARSER,
     ),

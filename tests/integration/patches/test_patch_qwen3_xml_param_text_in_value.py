@@ -1,5 +1,6 @@
-"""qwen3-xml-param-text-in-value: '<parameter=...>' text inside an argument value stays in the
-value, on vLLM's real qwen3_xml parser, streamed and not."""
+"""qwen3-xml-param-text-in-value (and its -034 entry): '<parameter=...>' text inside an argument
+value stays in the value, on vLLM's real qwen3_xml parser, streamed and not. The entries are the
+ones of the installed vLLM's release."""
 
 from __future__ import annotations
 
@@ -16,9 +17,13 @@ from qwen3_xml_parser import (  # noqa: F401  (fixtures)
     tokenizer,
 )
 
-NAME = "qwen3-xml-param-text-in-value"
-# vLLM 0.33 streams open values through a fast path that its own entry keeps consistent.
-STREAMED = ("qwen3-xml-param-text-in-value-streamed",) if vllm.__version__.startswith("0.33") else ()
+from vllm_dualgpu.patching.registry import for_version
+
+FAMILY = "qwen3-xml-param-text-in-value"
+NAME = for_version(FAMILY, vllm.__version__).name
+# vLLM 0.33+ streams open values through a fast path that its own entry keeps consistent.
+_FAST_PATH = for_version(f"{FAMILY}-streamed", vllm.__version__)
+STREAMED = (_FAST_PATH.name,) if _FAST_PATH else ()
 MENTION = call(("path", "notes.md"), ("content", "Use <parameter=x> to start a parameter."))
 NESTED = call(("content", "Write <parameter=x>\ny\n</parameter> for x."), ("path", "a.md"))
 
@@ -113,3 +118,14 @@ def test_the_pinned_source_is_the_installed_one():
     (patch,) = [p for p in PATCHES if p.name == NAME]
     with reverted(NAME):
         assert check_patch(patch, vllm.__version__).status == READY
+
+
+def test_one_entry_per_release():
+    """Each release gets the entry written against its source; the others skip there."""
+    from vllm_dualgpu.patching.core import SKIPPED, check_patch
+    from vllm_dualgpu.patching.registry import PATCHES, family
+
+    others = [p for p in PATCHES if family(p.name) == FAMILY and p.name != NAME]
+    assert others
+    for p in others:
+        assert check_patch(p, vllm.__version__).status == SKIPPED, p.name

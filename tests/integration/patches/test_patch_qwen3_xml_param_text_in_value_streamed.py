@@ -1,5 +1,6 @@
-"""qwen3-xml-param-text-in-value-streamed (vLLM 0.33): the streaming fast path for open Qwen3 XML
-values streams what qwen3-xml-param-text-in-value converts, on vLLM's real qwen3_xml parser."""
+"""qwen3-xml-param-text-in-value-streamed (vLLM 0.33, and its -034 entry): the streaming fast
+path for open Qwen3 XML values streams what qwen3-xml-param-text-in-value converts, on vLLM's real
+qwen3_xml parser. The entries are the ones of the installed vLLM's release."""
 
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ from qwen3_xml_parser import (  # noqa: F401  (fixtures)
 )
 
 from vllm_dualgpu.patching.core import version_in_range
+from vllm_dualgpu.patching.registry import for_version
 
-NAME = "qwen3-xml-param-text-in-value-streamed"
-CONVERTER = "qwen3-xml-param-text-in-value"
+FAMILY = "qwen3-xml-param-text-in-value-streamed"
+CONVERTER = for_version("qwen3-xml-param-text-in-value", vllm.__version__).name
 
-HAS_FAST_PATH = version_in_range(vllm.__version__, ">=0.33.0,<0.34")
+HAS_FAST_PATH = version_in_range(vllm.__version__, ">=0.33.0")
+NAME = for_version(FAMILY, vllm.__version__).name if HAS_FAST_PATH else None
 needs_fast_path = pytest.mark.skipif(
     not HAS_FAST_PATH,
     reason=f"vLLM {vllm.__version__} has no streaming fast path (_qwen3_arg_value_extender)",
@@ -65,6 +68,43 @@ def test_without_the_patch_the_fast_path_loses_text(tokenizer, request_with_tool
     assert got.startswith(want.split("\\n")[0])  # the text up to the dropped newline
 
 
+def streamed_calls(tokenizer, request, text: str, chunk: int) -> list[str]:
+    """The arguments of each tool call a streaming client accumulates, in call order."""
+    from qwen3_xml_parser import parser_class
+
+    parser = parser_class()(tokenizer, request.tools)
+    args: dict[int, str] = {}
+    previous = ""
+    deltas = []
+    for start in range(0, len(text), chunk):
+        piece = text[start : start + chunk]
+        deltas.append(
+            parser.extract_tool_calls_streaming(
+                previous, previous + piece, piece, [], [], [], request
+            )
+        )
+        previous += piece
+    deltas.append(parser.finish_streaming())
+    for delta in deltas:
+        for tc in (delta.tool_calls if delta else None) or []:
+            if tc.function and tc.function.arguments:
+                args[tc.index] = args.get(tc.index, "") + tc.function.arguments
+    return [args[i] for i in sorted(args)]
+
+
+@needs_fast_path
+@pytest.mark.parametrize("chunk", (1, 3, 7, 10_000))
+def test_calls_streamed_by_one_parser_stay_apart(tokenizer, request_with_tools, chunk):
+    """One parser streams every call of a response (and vLLM 0.34 keeps parsed parameters per
+    parser): tag text in a value stays there in each call."""
+    first, want_first = TEXTS["mention then more"]
+    second = call(("path", "a"), ("content", "x <parameter=path>\nb"))
+    want_second = '{"path": "a", "content": "x <parameter=path>\\nb"}'
+    with applied(CONVERTER, NAME):
+        got = streamed_calls(tokenizer, request_with_tools, first + "\n" + second, chunk)
+    assert got == [want_first, want_second]
+
+
 @needs_fast_path
 def test_ordinary_values_keep_vllms_fast_path(tokenizer, request_with_tools, monkeypatch):
     """Where both rules agree the wrapper returns vLLM's extender (counted here)."""
@@ -73,8 +113,8 @@ def test_ordinary_values_keep_vllms_fast_path(tokenizer, request_with_tools, mon
     made = []
     stock = qwen3._param_value_extender
 
-    def counting(raw_args, trim_newlines):
-        ext = stock(raw_args, trim_newlines)
+    def counting(*args, **kwargs):
+        ext = stock(*args, **kwargs)
         made.append(ext is not None)
         return ext
 
@@ -114,10 +154,24 @@ def test_the_pinned_source_is_the_installed_one():
 
 
 @pytest.mark.skipif(HAS_FAST_PATH, reason="this vLLM has the fast path")
-def test_older_vllm_skips_the_entry():
+def test_older_vllm_skips_the_entries():
     from vllm_dualgpu.patching.core import SKIPPED, check_patch
-    from vllm_dualgpu.patching.registry import PATCHES
+    from vllm_dualgpu.patching.registry import PATCHES, family
 
-    (patch,) = [p for p in PATCHES if p.name == NAME]
-    outcome = check_patch(patch, vllm.__version__)
-    assert outcome.status == SKIPPED and "not in >=0.33.0,<0.34" in outcome.reason
+    assert for_version(FAMILY, vllm.__version__) is None
+    entries = [p for p in PATCHES if family(p.name) == FAMILY]
+    assert entries
+    for p in entries:
+        outcome = check_patch(p, vllm.__version__)
+        assert outcome.status == SKIPPED and f"vLLM {vllm.__version__} not in" in outcome.reason
+
+
+@needs_fast_path
+def test_one_entry_per_release():
+    from vllm_dualgpu.patching.core import SKIPPED, check_patch
+    from vllm_dualgpu.patching.registry import PATCHES, family
+
+    others = [p for p in PATCHES if family(p.name) == FAMILY and p.name != NAME]
+    assert others
+    for p in others:
+        assert check_patch(p, vllm.__version__).status == SKIPPED, p.name
