@@ -2,7 +2,8 @@
 # The test command: bash scripts/test.sh
 #
 # Over the supported vLLM range (vllm_dualgpu/_version.py SUPPORTED_VLLM) on a CPU-only machine:
-#   - the oldest (0.30.0, torch 2.13.0) and the newest (0.33.0, torch 2.14.0) release each get a
+#   - the oldest (0.30.0, torch 2.13.0), the newest that PyPI installs (0.33.0, torch 2.14.0) and
+#     the newest (0.34.0, torch 2.14.0; installed by install_vllm_034 below) release each get a
 #     venv, this package's wheel (built once, installed as users get it, not editable) and the
 #     full suite (VLLM_TARGET_DEVICE=cpu pytest);
 #   - after 0.33.0's suite, upstream/check.sh: every upstream/ draft still applies to vLLM
@@ -12,7 +13,7 @@
 #     released sources (every entry in range: target, parameters, pinned source; every
 #     `from x import f` copy of a patched function that the entry does not rebind and every
 #     subclass override of a patched method; the interventions' objects in vLLM's tree), without
-#     installing or importing them (the installed 0.30.0 and 0.33.0 get the same check), and the sm hook's coverage report of their library where
+#     installing or importing them (the installed 0.30.0, 0.33.0 and 0.34.0 get the same check), and the sm hook's coverage report of their library where
 #     this package has one.
 # Exits non-zero on any failure (pytest collecting no tests counts as one).
 #
@@ -23,7 +24,7 @@
 # Environment: TEST_VENVS (default .venvs/test) holds the venvs and downloaded wheels.
 # TEST_KEEP_VENVS=1 keeps each venv after its suite, and a kept venv that already has the right
 # vLLM is reused. TEST_RELEASES_FULL / TEST_RELEASES_STATIC override the release lists
-# ("0.30.0:2.13.0 0.33.0:2.14.0" / "0.31.0 0.32.0"). Extra arguments go to pytest.
+# ("0.30.0:2.13.0 0.33.0:2.14.0 0.34.0:2.14.0" / "0.31.0 0.32.0"). Extra arguments go to pytest.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1

@@ -24,11 +24,11 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 def _triton_for_cpu_configs() -> None:
     """vLLM 0.34's CPU platform refuses a config on x86 unless Triton counts as usable
     (``vllm.triton_utils.HAS_TRITON``: "vLLM on x86 CPUs requires Triton (triton-cpu)"), and the
-    CUDA wheel's Triton has no active driver here. vLLM keeps Triton when CUDA_VISIBLE_DEVICES is
-    empty (a distributed worker before its devices are set), so its flag is computed once, at
-    import, under an empty CUDA_VISIBLE_DEVICES, which is then restored: the CPU tests build
-    configs and run no Triton kernel."""
-    if os.environ.get("VLLM_TARGET_DEVICE") != "cpu":
+    CUDA wheel's Triton has no active driver on a machine without GPUs. vLLM keeps Triton when
+    CUDA_VISIBLE_DEVICES is set and empty (a distributed worker before its devices are set). On
+    such a machine, and only there (torch sees no CUDA device), the CPU tests and the vLLM
+    processes they start run with it empty: they build configs and run no Triton kernel."""
+    if os.environ.get("VLLM_TARGET_DEVICE") != "cpu" or "CUDA_VISIBLE_DEVICES" in os.environ:
         return
     try:
         import importlib.metadata
@@ -39,15 +39,10 @@ def _triton_for_cpu_configs() -> None:
             return
     except Exception:  # vLLM not installed (the unit layer needs none)
         return
-    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    try:
-        import vllm.triton_utils  # noqa: F401
-    finally:
-        if saved is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+    import torch
+
+    if torch.cuda.device_count() == 0:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
 _triton_for_cpu_configs()

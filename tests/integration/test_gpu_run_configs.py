@@ -134,7 +134,7 @@ def test_eagle3_config_with_the_plugin(engine_config, spec_dirs):
     pp, n = cfg.parallel_config.pipeline_parallel_size, cfg.model_config.get_total_num_hidden_layers()
     assert gm.aux_layer_ranks(aux, [get_pp_indices(n, r, pp) for r in range(pp)]) == {2: 0, 4: 0, 5: 1}
     assert executor(cfg) == "DualGpuExecutor" and pp == 2
-    assert cfg._get_v2_model_runner_unsupported_features() == []
+    assert v2_runner_refuses(cfg) == []
     assert preflight.check(cfg, 2) == []  # as with two GPUs visible
     assert preflight.aux_relay_problem(cfg.model_config.architectures) == ""
 
@@ -268,8 +268,9 @@ def test_dflash_configs(engine_config, dflash_dirs, monkeypatch, v2_runner):
         assert f"{entry.module_name}.{entry.class_name}" == gm.DFLASH_DRAFTER_CLASS
         # the V2 runner (the DFlash2Speculator's) takes every feature of both runs, so CUDA picks it
         # with VLLM_USE_V2_MODEL_RUNNER unset (config/vllm.py:758-767); V1 refuses the drafter
-        assert cfg._get_v2_model_runner_unsupported_features() == []
-        assert "DFlash candidate-head drafts" in cfg._get_v1_model_runner_unsupported_features()
+        assert v2_runner_refuses(cfg) == []
+        if hasattr(cfg, "_get_v1_model_runner_unsupported_features"):  # vLLM 0.34 has no V1 runner
+            assert "DFlash candidate-head drafts" in cfg._get_v1_model_runner_unsupported_features()
         assert draft.quantization == "compressed-tensors" and mc.quantization is None
         hf = draft.hf_config
         assert get_parallel_drafting_token_id(hf) == gm.DFLASH_MASK_TOKEN_ID < mc.get_vocab_size()
@@ -541,7 +542,7 @@ def test_vision_configs(engine_config, tmp_path):
         assert cls.__name__ == "Qwen3_5ForConditionalGeneration" and mc.is_multimodal_model and mc.is_hybrid
         assert mc.uses_mrope and cfg.parallel_config.pipeline_parallel_size == 2
         assert mc.get_multimodal_config().get_limit_per_prompt("image") == 1  # stock builds the tower everywhere
-        assert cfg._get_v2_model_runner_unsupported_features() == []
+        assert v2_runner_refuses(cfg) == []
         assert executor(cfg) == ("DualGpuExecutor" if backend == "dualgpu" else "mp")
         if backend == "dualgpu":
             assert preflight.check(cfg, 2) == [] and is_dualgpu_pp(cfg)
@@ -679,3 +680,10 @@ def test_embed_engine_configs(engine_config, embed_checkpoints, monkeypatch):
     assert method(ParallelLMHead, "lm_head") is None
     assert method(QKVParallelLinear, "model.layers.3.self_attn.qkv_proj") == "UnquantizedLinearMethod"
     assert method(ColumnParallelLinear, "mtp.fc") == "UnquantizedLinearMethod"
+
+
+def v2_runner_refuses(cfg) -> list:
+    """What keeps vLLM from running ``cfg`` on its V2 model runner (the only one that runs these
+    drafters under PP): vLLM's list up to 0.33; vLLM 0.34 has no other runner, and no list."""
+    features = getattr(cfg, "_get_v2_model_runner_unsupported_features", None)
+    return features() if features is not None else []

@@ -25,15 +25,15 @@ def caplog_dualgpu(caplog):
 
 
 def test_unsupported_vllm_version_warns_once_and_applies_only_the_guard(monkeypatch, caplog_dualgpu):
-    monkeypatch.setattr(plugin, "installed_vllm_version", lambda: "0.34.0")
+    monkeypatch.setattr(plugin, "installed_vllm_version", lambda: "0.35.0")
     applied = []
     monkeypatch.setattr(plugin, "apply_patch", lambda p, v: applied.append((p.name, v)))
     plugin.ensure(frozenset({"frontend"}))
     plugin.ensure(frozenset({"frontend"}))
     warnings = [r for r in caplog_dualgpu.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
-    assert "supports vLLM >=0.30.0,<0.34, found 0.34.0" in warnings[0].getMessage()
-    assert applied == [("dualgpu-needs-supported-vllm", "0.34.0")]
+    assert "supports vLLM >=0.30.0,<0.35, found 0.35.0" in warnings[0].getMessage()
+    assert applied == [("dualgpu-needs-supported-vllm", "0.35.0")]
 
 
 def test_process_kinds_from_vllm_process_names(monkeypatch):

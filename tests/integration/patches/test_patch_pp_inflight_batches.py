@@ -18,6 +18,7 @@ from conftest import apply_registry_patch, registry_patch
 from vllm_dualgpu.patching.core import ALREADY, APPLIED, SENTINEL, Patch, apply_patch, revert_patch
 from pathlib import Path
 from spec_pp import applied, pp_configs  # noqa: F401  (shared fixtures and helpers)
+from vllm_dualgpu.patches.spec_common import uses_v2_model_runner
 
 
 def test_inflight_batches_capped_at_pp_size(applied, pp_configs, monkeypatch):
@@ -27,7 +28,7 @@ def test_inflight_batches_capped_at_pp_size(applied, pp_configs, monkeypatch):
     applied("pp-inflight-batches")
     stock = VllmConfig.max_concurrent_batches.fget.__wrapped__
     cfg = pp_configs["dualgpu"]
-    assert cfg.use_v2_model_runner and cfg.scheduler_config.async_scheduling
+    assert uses_v2_model_runner(cfg) and cfg.scheduler_config.async_scheduling
     assert stock(cfg) == 3  # vLLM 0.30: pp_size + 1
     assert cfg.max_concurrent_batches == 2
     # Workers unpickle the config and read the same property.
@@ -46,9 +47,10 @@ def test_inflight_batches_stock_elsewhere(applied, pp_configs, monkeypatch):
         cfg = pp_configs[key]
         assert cfg.max_concurrent_batches == stock(cfg), key
     cfg = pp_configs["dualgpu"]
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")  # V1 runner: vLLM returns pp_size
-    assert cfg.max_concurrent_batches == stock(cfg) == 2
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    if hasattr(cfg, "use_v2_model_runner"):  # vLLM 0.34 has no V1 runner
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")  # V1 runner: vLLM returns pp_size
+        assert cfg.max_concurrent_batches == stock(cfg) == 2
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     cfg.scheduler_config.async_scheduling = False
     try:
         assert cfg.max_concurrent_batches == stock(cfg) == 2

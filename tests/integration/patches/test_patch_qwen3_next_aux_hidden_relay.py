@@ -212,8 +212,8 @@ def test_preflight_refuses_when_a_relay_patch_is_missing_or_would_skip(monkeypat
     monkeypatch.setattr(registry, "PATCHES", PATCHES)
     from vllm_dualgpu import support
 
-    monkeypatch.setattr(support, "installed_vllm_version", lambda: "0.34.0")
-    with pytest.raises(preflight.PreflightError, match="written for vLLM >=0.30.0,<0.34, found 0.34.0"):
+    monkeypatch.setattr(support, "installed_vllm_version", lambda: "0.35.0")
+    with pytest.raises(preflight.PreflightError, match="written for vLLM >=0.30.0,<0.35, found 0.35.0"):
         preflight._check_drafter(drafter_config("qwen3_5_text"))
 
 

@@ -207,9 +207,9 @@ def test_an_unsupported_vllm_is_said_and_the_plan_assumes_the_newest(monkeypatch
     from vllm_dualgpu import support
     from vllm_dualgpu.patching.runtime import runtime_assumptions
 
-    monkeypatch.setattr(support, "installed_vllm_version", lambda: "0.34.0")
+    monkeypatch.setattr(support, "installed_vllm_version", lambda: "0.35.0")
     rc, out, _ = run_cli(capsys, "--max-model-len", "8192")
     assert rc == 0
-    assert "Note: vllm-dualgpu 0.1.0 supports vLLM >=0.30.0,<0.34, found 0.34.0" in out
+    assert "Note: vllm-dualgpu 0.1.0 supports vLLM >=0.30.0,<0.35, found 0.35.0" in out
     assert f"this plan assumes vLLM {support.CHECKED_RELEASES[-1]}" in out
     assert runtime_assumptions().vllm_version == support.CHECKED_RELEASES[-1]
