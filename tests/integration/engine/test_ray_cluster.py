@@ -47,21 +47,27 @@ def node_env(**extra) -> dict:
 def cluster():
     from ray.cluster_utils import Cluster
 
-    c = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "include_dashboard": False, "env_vars": node_env(FAKE_NVML_DELAY="30")})
-    nodes = {}
-    for name, facts, fail in (("box1", FLEET[0], None), ("box2", FLEET[1], None), ("box3", None, "Driver Not Loaded")):
-        gpus = facts["gpus"] if facts else [{}, {}]
-        if name == "box1":  # its first card drives the desktop; NVML cannot say for the others
-            gpus = [{**gpus[0], "display": True}, *gpus[1:]]
-        env = node_env(FAKE_NVML_GPUS=json.dumps(gpus))
-        if fail:
-            env["FAKE_NVML_FAIL"] = fail
-        nodes[name] = c.add_node(num_cpus=1, num_gpus=2, resources={name: 2}, env_vars=env)
-    ray.init(address=c.address, include_dashboard=False)
-    yield SimpleNamespace(ids={k: n.node_id for k, n in nodes.items()}, head=c.head_node.node_id)
-    ray.shutdown()
-    c.shutdown()
+    import vllm.triton_utils  # noqa: F401  (vLLM's Triton flag, read under tests/conftest.py's setting)
+
+    with pytest.MonkeyPatch.context() as mp:
+        # A raylet refuses GPU resources that CUDA_VISIBLE_DEVICES does not list, and the CPU
+        # tests of vLLM 0.34 set it empty (tests/conftest.py): the fake nodes start without it.
+        mp.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+        c = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 1, "include_dashboard": False, "env_vars": node_env(FAKE_NVML_DELAY="30")})
+        nodes = {}
+        for name, facts, fail in (("box1", FLEET[0], None), ("box2", FLEET[1], None), ("box3", None, "Driver Not Loaded")):
+            gpus = facts["gpus"] if facts else [{}, {}]
+            if name == "box1":  # its first card drives the desktop; NVML cannot say for the others
+                gpus = [{**gpus[0], "display": True}, *gpus[1:]]
+            env = node_env(FAKE_NVML_GPUS=json.dumps(gpus))
+            if fail:
+                env["FAKE_NVML_FAIL"] = fail
+            nodes[name] = c.add_node(num_cpus=1, num_gpus=2, resources={name: 2}, env_vars=env)
+        ray.init(address=c.address, include_dashboard=False)
+        yield SimpleNamespace(ids={k: n.node_id for k, n in nodes.items()}, head=c.head_node.node_id)
+        ray.shutdown()
+        c.shutdown()
 
 
 @pytest.fixture(scope="module")
