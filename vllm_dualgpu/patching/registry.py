@@ -7,6 +7,8 @@ why, which upstream issue or PR it relates to, and when it can go.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from vllm_dualgpu._version import UNSUPPORTED_VLLM
 from vllm_dualgpu.envs import TOOL_PARSER_FIXES
 from vllm_dualgpu.patching.core import Patch
@@ -53,6 +55,32 @@ NO_DRAFT_HYBRID_BLOCK = (
     "under PP on GPUs to show the mismatch"
 )
 NO_DRAFT_PARSER = "none yet: a tool-parser fix, outside the mismatched-GPU pieces drafted first"
+
+# One fix, two pins: vLLM 0.34 reworded the method's refusal message (cutlass-block-fp8-per-rank-034).
+_CUTLASS_BLOCK_FP8_PER_RANK = Patch(
+    name="cutlass-block-fp8-per-rank",
+    target="vllm.model_executor.kernels.linear.scaled_mm.cutlass:CutlassFp8BlockScaledMMKernel.is_supported",
+    processes=(WORKER,),
+    vllm_versions=V030_033,
+    why=(
+        "CutlassFp8BlockScaledMMKernel.is_supported reads CUTLASS_BLOCK_FP8_SUPPORTED, which "
+        "w8a8_utils computes once at import from device 0's capability; a worker imports it "
+        "with its worker class, before it sets its device, so every rank gets device 0's "
+        "answer. On a mixed pair an SM 8.9 rank behind an SM 9.0+ device 0 selects CUTLASS "
+        "block FP8, which its card cannot run (seen on the virtual pair: the rank presenting "
+        "8.9 logged 'Selected CutlassFp8BlockScaledMMKernel'), and an SM 12.0 rank behind an "
+        "SM 8.9 device 0 loses it. The replacement mirrors the method with vLLM's own "
+        "cutlass_block_fp8_supported() asked at the call, when the rank's device is set."
+    ),
+    upstream="none found (vLLM issue #58241 is about CUTLASS block FP8 and SM89, not this)",
+    remove_when="vLLM asks the current device in CutlassFp8BlockScaledMMKernel.is_supported",
+    factory="vllm_dualgpu.patches.linear_kernels:wrap_cutlass_block_fp8_is_supported",
+    params=("cls", "compute_capability"),
+    issue="#4",
+    source_sha256="af191e31d7d2f308c5f2b55bbefa0a37e2d5d4a027029e50be9b402918c3ffc6",
+    upstream_draft="upstream/per-device-capability",
+)
+
 
 PATCHES: tuple[Patch, ...] = (
     Patch(
@@ -292,53 +320,16 @@ PATCHES: tuple[Patch, ...] = (
             "SM89 prefill and decode measurements on vLLM's benchmarks"
         ),
     ),
-    Patch(
-        name="cutlass-block-fp8-per-rank",
-        target="vllm.model_executor.kernels.linear.scaled_mm.cutlass:CutlassFp8BlockScaledMMKernel.is_supported",
-        processes=(WORKER,),
-        vllm_versions=V030_033,
-        why=(
-            "CutlassFp8BlockScaledMMKernel.is_supported reads CUTLASS_BLOCK_FP8_SUPPORTED, which "
-            "w8a8_utils computes once at import from device 0's capability; a worker imports it "
-            "with its worker class, before it sets its device, so every rank gets device 0's "
-            "answer. On a mixed pair an SM 8.9 rank behind an SM 9.0+ device 0 selects CUTLASS "
-            "block FP8, which its card cannot run (seen on the virtual pair: the rank presenting "
-            "8.9 logged 'Selected CutlassFp8BlockScaledMMKernel'), and an SM 12.0 rank behind an "
-            "SM 8.9 device 0 loses it. The replacement mirrors the method with vLLM's own "
-            "cutlass_block_fp8_supported() asked at the call, when the rank's device is set."
-        ),
-        upstream="none found (vLLM issue #58241 is about CUTLASS block FP8 and SM89, not this)",
-        remove_when="vLLM asks the current device in CutlassFp8BlockScaledMMKernel.is_supported",
-        factory="vllm_dualgpu.patches.linear_kernels:wrap_cutlass_block_fp8_is_supported",
-        params=("cls", "compute_capability"),
-        issue="#4",
-        source_sha256="af191e31d7d2f308c5f2b55bbefa0a37e2d5d4a027029e50be9b402918c3ffc6",
-        upstream_draft="upstream/per-device-capability",
-    ),
-    Patch(
+    _CUTLASS_BLOCK_FP8_PER_RANK,
+    replace(
+        _CUTLASS_BLOCK_FP8_PER_RANK,
         name="cutlass-block-fp8-per-rank-034",
-        target="vllm.model_executor.kernels.linear.scaled_mm.cutlass:CutlassFp8BlockScaledMMKernel.is_supported",
-        processes=(WORKER,),
         vllm_versions=V034,
-        why=(
-            "CutlassFp8BlockScaledMMKernel.is_supported reads CUTLASS_BLOCK_FP8_SUPPORTED, which "
-            "w8a8_utils computes once at import from device 0's capability; a worker imports it "
-            "with its worker class, before it sets its device, so every rank gets device 0's "
-            "answer. On a mixed pair an SM 8.9 rank behind an SM 9.0+ device 0 selects CUTLASS "
-            "block FP8, which its card cannot run (seen on the virtual pair: the rank presenting "
-            "8.9 logged 'Selected CutlassFp8BlockScaledMMKernel'), and an SM 12.0 rank behind an "
-            "SM 8.9 device 0 loses it. The replacement mirrors the method with vLLM's own "
-            "cutlass_block_fp8_supported() asked at the call, when the rank's device is set. "
-            "vLLM 0.34 changed only the method's refusal message (a missing space), so its source "
+        why=_CUTLASS_BLOCK_FP8_PER_RANK.why + (
+            " vLLM 0.34 changed only the method's refusal message (a missing space), so its source "
             "has its own pin."
         ),
-        upstream="none found (vLLM issue #58241 is about CUTLASS block FP8 and SM89, not this)",
-        remove_when="vLLM asks the current device in CutlassFp8BlockScaledMMKernel.is_supported",
-        factory="vllm_dualgpu.patches.linear_kernels:wrap_cutlass_block_fp8_is_supported",
-        params=("cls", "compute_capability"),
-        issue="#4",
         source_sha256="90b5af6c4e0f080d8016870b843054718d3964613acef11eabf908b0336a276b",
-        upstream_draft="upstream/per-device-capability",
     ),
     # --- speculative decoding under PP (issue #6) ---
     Patch(

@@ -76,11 +76,11 @@ def extracted(tokenizer, request, text: str) -> str:
     return tool_call.function.arguments
 
 
-def streamed(tokenizer, request, text: str, chunk: int) -> str:
-    """The arguments a streaming client accumulates when the text arrives ``chunk`` characters
-    at a time, including what the parser sends when the stream finishes."""
+def _streamed_calls(tokenizer, request, text: str, chunk: int):
+    """The tool-call deltas a streaming client receives when the text arrives ``chunk``
+    characters at a time, including what the parser sends when the stream finishes."""
     parser = parser_class()(tokenizer, request.tools)
-    args, previous = [], ""
+    previous = ""
     deltas = []
     for start in range(0, len(text), chunk):
         piece = text[start : start + chunk]
@@ -94,8 +94,21 @@ def streamed(tokenizer, request, text: str, chunk: int) -> str:
     for delta in deltas:
         for tc in (delta.tool_calls if delta else None) or []:
             if tc.function and tc.function.arguments:
-                args.append(tc.function.arguments)
-    return "".join(args)
+                yield tc
+
+
+def streamed(tokenizer, request, text: str, chunk: int) -> str:
+    """The arguments a streaming client accumulates when the text arrives ``chunk`` characters
+    at a time, including what the parser sends when the stream finishes."""
+    return "".join(tc.function.arguments for tc in _streamed_calls(tokenizer, request, text, chunk))
+
+
+def streamed_calls(tokenizer, request, text: str, chunk: int) -> list[str]:
+    """The arguments of each tool call a streaming client accumulates, in call order."""
+    args: dict[int, str] = {}
+    for tc in _streamed_calls(tokenizer, request, text, chunk):
+        args[tc.index] = args.get(tc.index, "") + tc.function.arguments
+    return [args[i] for i in sorted(args)]
 
 
 CHUNKS = (1, 2, 3, 5, 8, 10_000)

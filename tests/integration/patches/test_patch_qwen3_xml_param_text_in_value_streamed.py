@@ -13,6 +13,7 @@ from qwen3_xml_parser import (  # noqa: F401  (fixtures)
     request_with_tools,
     reverted,
     streamed,
+    streamed_calls,
     tokenizer,
 )
 
@@ -66,30 +67,6 @@ def test_without_the_patch_the_fast_path_loses_text(tokenizer, request_with_tool
         got = streamed(tokenizer, request_with_tools, text, 1)
     assert got != want
     assert got.startswith(want.split("\\n")[0])  # the text up to the dropped newline
-
-
-def streamed_calls(tokenizer, request, text: str, chunk: int) -> list[str]:
-    """The arguments of each tool call a streaming client accumulates, in call order."""
-    from qwen3_xml_parser import parser_class
-
-    parser = parser_class()(tokenizer, request.tools)
-    args: dict[int, str] = {}
-    previous = ""
-    deltas = []
-    for start in range(0, len(text), chunk):
-        piece = text[start : start + chunk]
-        deltas.append(
-            parser.extract_tool_calls_streaming(
-                previous, previous + piece, piece, [], [], [], request
-            )
-        )
-        previous += piece
-    deltas.append(parser.finish_streaming())
-    for delta in deltas:
-        for tc in (delta.tool_calls if delta else None) or []:
-            if tc.function and tc.function.arguments:
-                args[tc.index] = args.get(tc.index, "") + tc.function.arguments
-    return [args[i] for i in sorted(args)]
 
 
 @needs_fast_path
