@@ -8,11 +8,14 @@ build instead of starting its own), one after the other, and says how long each 
 
     python3 scripts/gpu/prebuild_flashinfer.py > OUT/prebuild.log 2>&1 &
     python3 scripts/gpu/prebuild_flashinfer.py --list      # the module names; builds nothing
+    python3 scripts/gpu/prebuild_flashinfer.py --no-topk   # the attention modules only
 
 First FlashInfer's radix top-k (``topk``): vLLM 0.33's ``LogitsProcessor.get_top_k_tokens`` takes
 it wherever FlashInfer can build, and the DFlash2 drafter's candidate selector asks for it on its
-first step. In the twenty-third session the DFlash2 test's stock run and the W8A16 + DFlash2 expert
-each waited on its build until their limits (more than six minutes on 16 cores: ``cub_topk.cu``).
+first step (``--no-topk`` leaves it out: runs that take torch's top-k instead, the GPU harness's
+``DUALGPU_GPU_TORCH_TOPK=1``, do not ask for it, and its build, more than 22 minutes beside three
+tests, would keep the attention modules behind it). In the twenty-third session the DFlash2 test's stock
+run and the W8A16 + DFlash2 expert each waited on its build until their limits (more than six minutes on 16 cores: ``cub_topk.cu``).
 Then the attention modules the reference shapes (head dim 256) ask for with an fp8 KV cache on the
 virtual pair: rank 0, presenting capability 8.9, runs FlashInfer's FA2 prefill and decode with bf16
 queries; rank 1, presenting 9.0, its SM90 (FA3) prefill with fp8 queries. The names are FlashInfer's
@@ -47,10 +50,14 @@ def specs() -> list:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--list", action="store_true", help="print the module names; build nothing")
+    ap.add_argument("--no-topk", action="store_true",
+                    help="leave out FlashInfer's top-k (for runs on torch's top-k: DUALGPU_GPU_TORCH_TOPK=1)")
     args = ap.parse_args(argv)
     if args.list:  # the names do not depend on the GPU: list them on a machine without one too
         os.environ.setdefault("FLASHINFER_CUDA_ARCH_LIST", "9.0")
     for spec in specs():
+        if args.no_topk and spec.name == "topk":
+            continue
         if args.list:
             print(spec.name)
             continue

@@ -39,3 +39,8 @@ def test_it_builds_the_modules_the_workers_built(tmp_path):
     assert len(built) == 2 and built <= set(listed), (built, listed)
     topk = set(re.findall(r"Building JIT module (\w+);", TOPK_LOG.read_text()))
     assert topk == {"topk"} and listed[0] == "topk", (topk, listed)  # first: the DFlash2 runs wait on it
+    # runs on torch's top-k leave it out, and only it
+    r = subprocess.run([sys.executable, str(SCRIPT), "--list", "--no-topk"], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == listed[1:], (r.stdout, listed)
