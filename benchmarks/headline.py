@@ -644,6 +644,22 @@ def plugin_split(out: Path, launcher: str, context: int = MAX_MODEL_LEN, reserve
     return json.loads(f.read_text()).get("partition") if f.exists() else None
 
 
+def split_without_plugin_arm(out: Path, launcher: str, model: Path, drafter: Path, virtual: str | None,
+                             context: int, reserve: str | None) -> list[int] | None:
+    """The split arms' starting point where ``out`` holds no plugin arm: on the virtual pair the pure
+    planner's split (the executor's, the plugin arms have shown: fp8-mtp 19/45); on two GPUs none
+    (the plan there reads the real cards' free memory at boot), said in one line."""
+    where = out / "arms"
+    if virtual is None or reserve:
+        print(f"{launcher}: no plugin arm in {where}: the split arms need its split on two GPUs or with "
+              f"--reserve; run --arms plugin (or plugin,split) first", flush=True)
+        return None
+    split = virtual_split(launcher, model, drafter, virtual, context)
+    print(f"{launcher}: no plugin arm in {where}: the split arms start from the plan's split "
+          f"{split[0]}/{split[1]} on {virtual}", flush=True)
+    return split
+
+
 def run_launcher(launcher: str, out: Path, kinds: set[str], total: float, virtual: str | None,
                  limits: dict[str, int] = ARM_LIMIT_S, *, models: Path, context: int = MAX_MODEL_LEN,
                  parts: tuple[str, ...] = MEASURES, reserve: str | None = None) -> None:
@@ -667,6 +683,8 @@ def run_launcher(launcher: str, out: Path, kinds: set[str], total: float, virtua
         stock_booted |= arm.kind == "stock" and booted
         save_all(out)
     chosen = plugin_split(out, launcher, context, reserve)
+    if "split" in kinds and not chosen:
+        chosen = split_without_plugin_arm(out, launcher, model, drafter, virtual, context, reserve)
     if "split" in kinds and chosen:
         for arm in specs(chosen=chosen):
             if arm.kind == "split":
@@ -822,6 +840,7 @@ def speed_verdict(res: dict) -> dict:
 def virtual_split(launcher: str, model: Path, drafter: Path, virtual: str, context: int = MAX_MODEL_LEN) -> list[int]:
     """The pure planner's split for the plugin's arm on the virtual cards (what `vllm-dualgpu
     plan` says for the same command): the split arms' starting point in --dry-run."""
+    from vllm_dualgpu.cli.inputs import with_default_reserves
     from vllm_dualgpu.patching.runtime import runtime_assumptions
     from vllm_dualgpu.planner import ModelSpec, PlanRequest, fit, parse_gpus
 
@@ -830,8 +849,12 @@ def virtual_split(launcher: str, model: Path, drafter: Path, virtual: str, conte
         spec["draft_config"] = json.loads((drafter / "config.json").read_text())
     req = PlanRequest(max_model_len=context, kv_cache_dtype="fp8", max_num_seqs=2, max_num_batched_tokens=1024,
                       speculative=spec, **runtime_assumptions().request_fields())
+    # as the executor sees the virtual cards: headless unless display=yes (vllm_dualgpu/virtual_gpus.py),
+    # each keeping what the executor keeps free there (as `plan --gpus` does)
+    cards = with_default_reserves([dataclasses.replace(g, display=bool(g.display)) for g in parse_gpus(virtual)],
+                                  virtual)
     return list(fit(ModelSpec.from_hf_config(json.loads((model / "config.json").read_text())),
-                    parse_gpus(virtual), req).plan.partition)
+                    cards, req).plan.partition)
 
 
 def build_parser() -> argparse.ArgumentParser:

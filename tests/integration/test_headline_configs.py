@@ -427,6 +427,28 @@ def test_run_launcher_runs_every_asked_arm(tmp_path, monkeypatch, kinds, expecte
     assert ran == expected
 
 
+def test_split_arms_alone_start_from_the_plans_split(tmp_path, monkeypatch, capsys):
+    """Seen on the GPU (2026-12-04): `--arms split` in an output folder without the plugin arm's
+    result ran nothing and printed an empty table. The plugin booted at 19/45 for fp8-mtp on the
+    virtual pair that day; the split arms then run 17/47 and 21/43 (and the expert's 20/44)."""
+    ran = []
+    monkeypatch.setattr(hl, "run_arm", lambda arm, *a, **k: ran.append(arm.env["VLLM_PP_LAYER_PARTITION"]) or {})
+    monkeypatch.setattr(hl, "save_all", lambda out: [])
+    hl.run_launcher("fp8-mtp", tmp_path, {"split"}, TOTAL, hl.VIRTUAL, models=tmp_path / "models")
+    assert sorted(ran) == ["17,47", "20,44", "21,43"], ran
+    assert "no plugin arm in" in capsys.readouterr().out
+
+
+def test_split_arms_alone_on_two_gpus_say_why_nothing_ran(tmp_path, monkeypatch, capsys):
+    ran = []
+    monkeypatch.setattr(hl, "run_arm", lambda arm, *a, **k: ran.append(arm.name) or {})
+    monkeypatch.setattr(hl, "save_all", lambda out: [])
+    hl.run_launcher("fp8-mtp", tmp_path, {"split"}, TOTAL, None, models=tmp_path / "models")
+    assert ran == []
+    out = capsys.readouterr().out
+    assert "split arms" in out and "--arms plugin" in out, out
+
+
 def test_the_arms_end_with_one_image_of_four_megapixels():
     """Rank 0's other peak: the vision encoder's pass over a ~4 MP image with the KV cache
     allocated (the plan charges it; the fifth run's arms sent no image). Last, so a failure there
