@@ -5,7 +5,8 @@ each rank asks whether CUTLASS block FP8 runs on its own card.
 and the other ``init_*`` selectors of the same module) and no other module holds a copy
 (vLLM 0.30.0). The wrapper only touches calls that pass the module's own
 ``_POSSIBLE_FP8_BLOCK_KERNELS``, and decides per call by the current device (see
-:mod:`vllm_dualgpu.kernels.fp8_preference`).
+:mod:`vllm_dualgpu.kernels.fp8_preference`), and notes the block-FP8 kernel each rank took in that
+rank's summary line (vLLM says it for the first rank only).
 """
 
 from __future__ import annotations
@@ -26,14 +27,30 @@ def wrap_choose_scaled_mm_linear_kernel(original: Callable) -> Callable:
     def choose_scaled_mm_linear_kernel(config, possible_kernels, compute_capability=None,
                                        force_kernel=None, *, quantization):
         block_kernels = getattr(module, "_POSSIBLE_FP8_BLOCK_KERNELS", None)
-        if possible_kernels is block_kernels and block_kernels is not None:
+        vllms_block_list = possible_kernels is block_kernels and block_kernels is not None
+        if vllms_block_list:
             possible_kernels = fp8_preference.reordered_kernels(
                 possible_kernels, module.PlatformEnum.CUDA, compute_capability
             )
-        return original(config, possible_kernels, compute_capability, force_kernel,
-                         quantization=quantization)
+        chosen = original(config, possible_kernels, compute_capability, force_kernel,
+                          quantization=quantization)
+        if vllms_block_list:
+            note_block_kernel(chosen)
+        return chosen
 
     return choose_scaled_mm_linear_kernel
+
+
+BLOCK_KERNEL_KEY = "block-fp8 kernel"
+"""``rank_summary`` key: the block-FP8 kernel(s) this rank selected. vLLM logs its "Selected ..."
+line once for the whole run (``info_once``, scope global), so only the first rank says its own."""
+
+
+def note_block_kernel(kernel: type) -> None:
+    name = getattr(kernel, "__name__", str(kernel))
+    taken = rank_summary.facts().get(BLOCK_KERNEL_KEY, "")
+    if name not in taken.split(", "):
+        rank_summary.add(BLOCK_KERNEL_KEY, name)
 
 
 SUMMARY_KEY = "cutlass-block-fp8"

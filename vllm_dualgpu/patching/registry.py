@@ -306,7 +306,9 @@ PATCHES: tuple[Patch, ...] = (
             "Marlin; other lists, devices and platforms pass through, so each rank decides by "
             "its own card when its layers are built. VLLM_DUALGPU_SM89_TRITON_FP8=0 keeps "
             "vLLM's order; VLLM_DISABLED_KERNELS and --linear-backend still apply. Called as a "
-            "module global; no module holds a copy."
+            "module global; no module holds a copy. The wrapper also names the block-FP8 kernel "
+            "each rank took in that rank's summary line: vLLM's \"Selected ...\" line is logged "
+            "once for the run (info_once, scope global), the first rank's only."
         ),
         upstream="vLLM PR #40105 put Marlin ahead of Triton in the list; vLLM issue #58241 "
         "(CUTLASS block FP8 excludes SM89); the reference setup's patch cites vLLM PR #59232",

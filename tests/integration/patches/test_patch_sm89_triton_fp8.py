@@ -265,3 +265,22 @@ def test_a_rank_presenting_sm89_on_another_gpu_gets_triton(sm_aware_vllm, gpus):
     assert choose(L, L._POSSIBLE_FP8_BLOCK_KERNELS) == pref.TRITON
     gpus.presented = None  # the H200 as itself: vLLM's pick
     assert choose(L, L._POSSIBLE_FP8_BLOCK_KERNELS) == "FlashInferFp8DeepGEMMDynamicBlockScaledKernel"
+
+
+def test_each_rank_names_the_block_fp8_kernel_it_selected(sm_aware_vllm, gpus):
+    """vLLM logs its "Selected ..." line once for the whole run (info_once, scope global): on the
+    virtual pair (vLLM 0.33.0, 2026-12-04) only Worker_PP0 said which block-FP8 kernel it took,
+    and rank 1's choice was nowhere. Each rank's summary line names its own."""
+    from vllm_dualgpu.patches import linear_kernels
+
+    L, _ = sm_aware_vllm
+    gpus.names = ["RTX 4070 Ti SUPER", "H200"]
+    choose(L, L._POSSIBLE_FP8_BLOCK_KERNELS)
+    choose(L, L._POSSIBLE_FP8_BLOCK_KERNELS)
+    assert rank_summary.facts()[linear_kernels.BLOCK_KERNEL_KEY] == pref.TRITON
+    rank_summary.clear()  # the other rank: another process
+    gpus.current = 1
+    choose(L, L._POSSIBLE_FP8_BLOCK_KERNELS)
+    assert rank_summary.facts()[linear_kernels.BLOCK_KERNEL_KEY] == "FlashInferFp8DeepGEMMDynamicBlockScaledKernel"
+    choose(L, L._POSSIBLE_FP8_KERNELS)  # a per-tensor FP8 layer: not a block-FP8 choice
+    assert rank_summary.facts()[linear_kernels.BLOCK_KERNEL_KEY] == "FlashInferFp8DeepGEMMDynamicBlockScaledKernel"
