@@ -14,8 +14,9 @@ First FlashInfer's radix top-k (``topk``): vLLM 0.33's ``LogitsProcessor.get_top
 it wherever FlashInfer can build, and the DFlash2 drafter's candidate selector asks for it on its
 first step (``--no-topk`` leaves it out: runs that take torch's top-k instead, the GPU harness's
 ``DUALGPU_GPU_TORCH_TOPK=1``, do not ask for it, and its build, more than 22 minutes beside three
-tests, would keep the attention modules behind it). In the twenty-third session the DFlash2 test's stock
-run and the W8A16 + DFlash2 expert each waited on its build until their limits (more than six minutes on 16 cores: ``cub_topk.cu``).
+tests, would keep the attention modules behind it). In the twenty-third session the DFlash2
+test's stock run and the W8A16 + DFlash2 expert each waited on its build until their limits (more
+than six minutes on 16 cores: ``cub_topk.cu``).
 Then the attention modules the reference shapes (head dim 256) ask for with an fp8 KV cache on the
 virtual pair: rank 0, presenting capability 8.9, runs FlashInfer's FA2 prefill and decode with bf16
 queries; rank 1, presenting 9.0, its SM90 (FA3) prefill with fp8 queries. The names are FlashInfer's
