@@ -20,9 +20,13 @@ def note(key: str, text: str) -> None:
 
 
 def add(key: str, item: str) -> None:
-    """Append ``item`` to a fact that lists several ("a, b, c")."""
+    """Append ``item`` to a fact that lists several ("a, b, c"), unless it lists it already."""
     with _lock:
-        _facts[key] = f"{_facts[key]}, {item}" if _facts.get(key) else item
+        listed = _facts.get(key)
+        if not listed:
+            _facts[key] = item
+        elif item not in listed.split(", "):
+            _facts[key] = f"{listed}, {item}"
 
 
 def facts() -> dict[str, str]:

@@ -35,7 +35,7 @@ def wrap_choose_scaled_mm_linear_kernel(original: Callable) -> Callable:
         chosen = original(config, possible_kernels, compute_capability, force_kernel,
                           quantization=quantization)
         if vllms_block_list:
-            note_block_kernel(chosen)
+            rank_summary.add(BLOCK_KERNEL_KEY, getattr(chosen, "__name__", str(chosen)))
         return chosen
 
     return choose_scaled_mm_linear_kernel
@@ -44,13 +44,6 @@ def wrap_choose_scaled_mm_linear_kernel(original: Callable) -> Callable:
 BLOCK_KERNEL_KEY = "block-fp8 kernel"
 """``rank_summary`` key: the block-FP8 kernel(s) this rank selected. vLLM logs its "Selected ..."
 line once for the whole run (``info_once``, scope global), so only the first rank says its own."""
-
-
-def note_block_kernel(kernel: type) -> None:
-    name = getattr(kernel, "__name__", str(kernel))
-    taken = rank_summary.facts().get(BLOCK_KERNEL_KEY, "")
-    if name not in taken.split(", "):
-        rank_summary.add(BLOCK_KERNEL_KEY, name)
 
 
 SUMMARY_KEY = "cutlass-block-fp8"
