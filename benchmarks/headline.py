@@ -155,8 +155,9 @@ class Arm:
 
 
 def arm_file(name: str) -> str:
-    """An arm's file name: its name in letters, digits, '.', '_', '-' ("w8a16-dflash2_plugin-at-241664")."""
-    return re.sub(r"[^A-Za-z0-9._-]", "-", name.replace("/", "_").replace("@", "-at-"))
+    """An arm's file name: its name in letters, digits, '.', '_', '-' ("w8a16-dflash2_plugin-at-241664";
+    "split+2" is "split-plus2", apart from "split-2")."""
+    return re.sub(r"[^A-Za-z0-9._-]", "-", name.replace("/", "_").replace("@", "-at-").replace("+", "-plus"))
 
 
 def virtual_cards(spec: str | None) -> list[float] | None:

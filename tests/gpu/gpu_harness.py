@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib.util
 import json
 import multiprocessing
 import os
@@ -197,6 +198,17 @@ def with_torch_topk(env: dict) -> dict:
         return env
     rest = env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
     return {**env, "PYTHONPATH": os.pathsep.join(p for p in (str(TORCH_TOPK_SITE), rest) if p)}
+
+
+def torch_topk_here() -> None:
+    """Where DUALGPU_GPU_TORCH_TOPK=1: the torch top-k hook in this already running process, so that
+    the processes it forks have it too (a spawned one gets it from PYTHONPATH, with_torch_topk)."""
+    if os.environ.get(TORCH_TOPK_ENV) != "1" or "vllm_gpu_harness_torch_topk" in sys.modules:
+        return
+    spec = importlib.util.spec_from_file_location("vllm_gpu_harness_torch_topk", TORCH_TOPK_SITE / "sitecustomize.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
 
 
 def child_env(extra: dict | None = None) -> dict:
@@ -410,6 +422,7 @@ def _llm_child(engine_kwargs: dict, job, log: str, result: str, env: dict) -> No
     for key, value in kernel_env().items():
         os.environ.setdefault(key, value)
     os.environ.update(with_torch_topk(env))  # the engine's and workers' processes start after this
+    torch_topk_here()  # and what vLLM forks from this process (stock PP=1's EngineCore) inherits the hook
     t0 = time.time()
     res: dict = {}
     try:

@@ -48,3 +48,34 @@ def test_switch_off_keeps_vllms_function():
         assert r.returncode == 0, r.stderr[-2000:]
         assert answer(r).split()[0] == "_flashinfer_topk"
         assert TORCH_TOPK_LINE not in r.stderr
+
+
+def _forked_answer(q) -> None:
+    import vllm.model_executor.layers.logits_processor as lp
+
+    q.put(lp._flashinfer_topk.__name__)
+
+
+def fork_and_probe(_llm) -> dict:
+    """run_llm's job: what a forked child (stock vLLM's EngineCore without spawned workers) gets."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_forked_answer, args=(q,))
+    p.start()
+    p.join(120)
+    return {"forked": q.get(timeout=5)}
+
+
+def test_switch_on_reaches_a_process_that_run_llm_forks(tmp_path, monkeypatch):
+    """2026-12-04: the DFlash test's stock half (PP=1, vLLM forks its EngineCore from run_llm's
+    child) built FlashInfer's top-k with the switch on: run_llm's child set PYTHONPATH after its own
+    start, so nothing it forked had the hook."""
+    from gpu_harness import run_llm
+
+    monkeypatch.setenv(TORCH_TOPK_ENV, "1")
+    monkeypatch.setenv("VLLM_TARGET_DEVICE", "cpu")
+    res = run_llm(None, fork_and_probe, log=tmp_path / "probe.log", timeout=240)
+    assert "error" not in res and not res["timed_out"], (res, (tmp_path / "probe.log").read_text()[-2000:])
+    assert res["forked"] == "_torch_topk_instead", res

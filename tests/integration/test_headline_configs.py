@@ -6,6 +6,7 @@ verdict). Nothing here starts an engine."""
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -81,6 +82,16 @@ def test_the_arms_are_the_issues_on_the_virtual_pair(tmp_path):
     assert [x.kind for x in hl.arm_specs("fp8-mtp", tmp_path, total_gib=TOTAL, virtual=spec)].count("split") == 0
     same = by_name(hl.arm_specs("fp8-mtp", tmp_path, total_gib=TOTAL, chosen=[20, 44], virtual=spec))
     assert [n for n in same if n.startswith("split")] == ["split-2", "split+2"]
+
+
+def test_every_arm_of_a_launcher_has_its_own_files(tmp_path):
+    """2026-12-04: split+2's log and result were written over split-2's (arm_file made both
+    "fp8-mtp_split-2"): the 17/47 arm's log and record were lost, and headline.json kept split+2 only."""
+    arms = hl.arm_specs("fp8-mtp", tmp_path, total_gib=TOTAL, chosen=CHOSEN, free_gib=[16.0, 32.0],
+                        virtual=hl.VIRTUAL)
+    files = [x.file for x in arms]
+    assert len(set(files)) == len(files) == 5, files
+    assert all(re.fullmatch(r"[A-Za-z0-9._-]+", f) for f in files), files
 
 
 def test_the_dflash2_launchers_take_the_experts_flags(tmp_path):
