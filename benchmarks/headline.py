@@ -51,7 +51,9 @@ Arms per launcher, each ``vllm.LLM`` in a fresh process group with a time limit:
 3. split-2 / split+2: the plugin with VLLM_PP_LAYER_PARTITION at its own split -2 and +2 layers;
    the expert's split too (split-at-expert: the plugin's per-step cost against the expert's on
    the same split).
-A ``stock`` arm (vLLM's even split and default utilization) is available with --arms stock.
+A ``stock`` arm (vLLM's even split and default utilization) is available with --arms stock, and a
+``graphs`` arm with --arms graphs: the plugin at the expert's split with the expert's CUDA-graph
+mode (at-expert-graphs: the 1% per-step comparison; the expert's other flags size its pool).
 
 Each arm that boots measures (``measure``): the KV pool, greedy token ids, TTFT at ~32K and ~250K
 tokens, decode ms per step at short, 32K and ~250K context, the second turn of a 33K conversation
@@ -126,9 +128,9 @@ EXPERT_BLOCKS = {"nvfp4-dflash2": 190, "w8a16-dflash2": 375, "fp8-dflash2": 190,
 EXPERT_COMMON = {"kv_cache_memory_bytes": 9_000_000_000, "cudagraph_mode": "PIECEWISE"}
 MTP_BLOCK = 1600  # vLLM's hybrid block size at 3 MTP tokens (the MTP launcher's BLOCK)
 SPLIT_STEPS = (-2, 2)
-ARM_KINDS = ("stock", "expert", "plugin", "split")
+ARM_KINDS = ("stock", "expert", "plugin", "split", "graphs")
 DEFAULT_ARMS = ("expert", "plugin", "split")
-ARM_LIMIT_S = {"stock": 300, "expert": 600, "plugin": 600, "split": 420}  # each arm's wall-clock limit
+ARM_LIMIT_S = {"stock": 300, "expert": 600, "plugin": 600, "split": 420, "graphs": 600}  # each arm's wall-clock limit
 SPLIT_MEASURES = ("short", "mid")  # the split arms: pool and ms/step
 # Prompt lengths (tokens): ~32K and ~250K (the 250K prompt plus the draft and decode tokens stay
 # under 262,144); the conversation's first turn is 33K.
@@ -253,6 +255,12 @@ def arm_specs(launcher: str, model: Path, *, total_gib: float, drafter: Path | N
     plugin = {**base, "distributed_executor_backend": "dualgpu", "max_model_len": context}
     arms.append(Arm(f"{launcher}/plugin{at}", "plugin", launcher, dict(plugin), {**pair_env(virtual), **kept}))
     expert_split = EXPERT[launcher]["partition"]
+    # the plugin at the expert's split AND with the expert's CUDA-graph mode: issue #28's 1% per-step
+    # comparison (the other expert flags size the pool, not the step); not a default arm
+    arms.append(Arm(f"{launcher}/at-expert-graphs{at}", "graphs", launcher,
+                    {**plugin, "compilation_config": {"cudagraph_mode": EXPERT_COMMON["cudagraph_mode"]}},
+                    {**pair_env(virtual), **kept,
+                     "VLLM_PP_LAYER_PARTITION": f"{expert_split[0]},{NUM_LAYERS - expert_split[0]}"}))
     if chosen:
         named = {chosen[0] + d: f"split{d:+d}" for d in SPLIT_STEPS}
         named.setdefault(expert_split[0], "split-at-expert")

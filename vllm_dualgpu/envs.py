@@ -72,11 +72,37 @@ def allow_long_max_model_len() -> bool:
     return os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").strip().lower() in ("1", "true")
 
 
+FLASHINFER_WORKSPACE = "VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE"
+_workspace_exported: str | None = None
+"""The value this process last exported as FLASHINFER_WORKSPACE, or None."""
+
+
+def export_flashinfer_workspace(size_bytes: int) -> None:
+    """The executor's ``VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE``, read by vLLM in every worker that
+    runs FlashInfer (``FlashInferMetadataBuilder._get_workspace_buffer``; the workers inherit it):
+    the plan's size where the user did not set it, exported before the workers spawn. 0 takes an
+    earlier export back (vLLM's default then applies), leaving a user's own value alone. As with the
+    layer split (engine/partition.py), a value this process exported is never taken back as the
+    user's by a second ``LLM(...)`` in the same process."""
+    global _workspace_exported
+    if size_bytes > 0 and flashinfer_workspace_bytes() is None and (
+            os.environ.get(FLASHINFER_WORKSPACE) in (None, _workspace_exported)):
+        _workspace_exported = str(int(size_bytes))
+        os.environ[FLASHINFER_WORKSPACE] = _workspace_exported
+        return
+    if _workspace_exported is not None and os.environ.get(FLASHINFER_WORKSPACE) == _workspace_exported:
+        del os.environ[FLASHINFER_WORKSPACE]
+    _workspace_exported = None
+
+
 def flashinfer_workspace_bytes() -> int | None:
     """vLLM's ``VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE`` (bytes, vllm/envs.py: ``int(...)``), the
-    workspace FlashInfer's attention allocates on each rank that runs it; None when unset (vLLM's
-    default, 394 MiB) or not a number vLLM reads (vLLM then fails on it with its own error)."""
-    text = os.environ.get("VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE")
+    workspace FlashInfer's attention allocates on each rank that runs it; None when unset (a dualgpu
+    run then sets its own size, engine/flashinfer_workspace.py), set by the executor itself, or not a
+    number vLLM reads (vLLM then fails on it with its own error)."""
+    text = os.environ.get(FLASHINFER_WORKSPACE)
+    if text == _workspace_exported:  # the executor's own export is not the user's
+        text = None
     try:
         return int(text) if text is not None else None
     except ValueError:

@@ -52,7 +52,8 @@ def test_the_arms_are_the_issues_on_the_virtual_pair(tmp_path):
     assert hl.virtual_cards(spec) == [16.0, 32.0]  # the small card first
     arms = hl.arm_specs("fp8-mtp", tmp_path, total_gib=TOTAL, chosen=CHOSEN, free_gib=[16.0, 32.0], virtual=spec)
     a = by_name(arms)
-    assert list(a) == ["expert", "plugin", "split-2", "split+2", "split-at-expert"]
+    assert list(a) == ["expert", "plugin", "at-expert-graphs", "split-2", "split+2", "split-at-expert"]
+    assert "graphs" not in hl.DEFAULT_ARMS  # asked for by name (--arms graphs)
     common = hl.common_kwargs(tmp_path, "fp8-mtp")
     assert common["max_model_len"] == 262144 and common["kv_cache_dtype"] == "fp8"
     assert common["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 3}
@@ -65,6 +66,11 @@ def test_the_arms_are_the_issues_on_the_virtual_pair(tmp_path):
     for name, part in (("split-2", "22,42"), ("split+2", "26,38"), ("split-at-expert", "20,44")):
         assert a[name].kwargs == a["plugin"].kwargs and a[name].env["VLLM_PP_LAYER_PARTITION"] == part
         assert a[name].env["VLLM_DUALGPU_VIRTUAL_GPUS"] == spec
+    # the plugin at the expert's split with the expert's CUDA graphs, nothing else of the expert's
+    g = a["at-expert-graphs"]
+    assert g.kwargs == {**a["plugin"].kwargs, "compilation_config": {"cudagraph_mode": "PIECEWISE"}}
+    assert g.kwargs["compilation_config"] == a["expert"].kwargs["compilation_config"]
+    assert g.env == {**a["plugin"].env, "VLLM_PP_LAYER_PARTITION": "20,44"}
     # the expert: its launcher's flags through the dualgpu executor (the package's patches are the
     # reference's), on the virtual pair like the plugin; the attention backend left to the plugin
     e = a["expert"]
@@ -90,7 +96,7 @@ def test_every_arm_of_a_launcher_has_its_own_files(tmp_path):
     arms = hl.arm_specs("fp8-mtp", tmp_path, total_gib=TOTAL, chosen=CHOSEN, free_gib=[16.0, 32.0],
                         virtual=hl.VIRTUAL)
     files = [x.file for x in arms]
-    assert len(set(files)) == len(files) == 5, files
+    assert len(set(files)) == len(files) == 6, files
     assert all(re.fullmatch(r"[A-Za-z0-9._-]+", f) for f in files), files
 
 
@@ -122,7 +128,8 @@ def test_context_moves_the_plugin_and_split_arms_only(tmp_path):
     drafter = tmp_path / "drafter"
     a = by_name(hl.arm_specs("w8a16-dflash2", tmp_path, total_gib=TOTAL, drafter=drafter, chosen=[20, 44],
                              virtual=hl.VIRTUAL, context=229_376))
-    assert list(a) == ["expert", "plugin@229376", "split-2@229376", "split+2@229376", "split-at-expert@229376"]
+    assert list(a) == ["expert", "plugin@229376", "at-expert-graphs@229376", "split-2@229376", "split+2@229376",
+                       "split-at-expert@229376"]
     assert a["expert"].kwargs["max_model_len"] == 262_144
     for name in ("plugin@229376", "split-2@229376", "split-at-expert@229376"):
         assert a[name].kwargs["max_model_len"] == 229_376
@@ -205,8 +212,13 @@ def test_every_arm_builds_in_vllm(engine_config, models, monkeypatch, launcher):
             else:
                 assert cc.num_gpu_blocks_override is None and cc.kv_cache_memory_bytes is None, arm.name
                 # CUDA graphs as vLLM defaults them (the CPU platform turns them off here, so the
-                # arguments are what is checked): no compilation flag, no eager mode
-                assert "compilation_config" not in arm.kwargs and "enforce_eager" not in arm.kwargs, arm.name
+                # arguments are what is checked): no compilation flag, no eager mode; the graphs arm
+                # the expert's mode, which reaches vLLM's config
+                assert "enforce_eager" not in arm.kwargs, arm.name
+                if arm.kind == "graphs":
+                    assert EngineArgs(**arm.kwargs).compilation_config.cudagraph_mode.name == "PIECEWISE"
+                else:
+                    assert "compilation_config" not in arm.kwargs, arm.name
                 preflight.check(cfg, 2)  # a refusal raises PreflightError; warnings are allowed
                 assert cc.gpu_memory_utilization == CacheConfig().gpu_memory_utilization, arm.name  # vLLM's default
 

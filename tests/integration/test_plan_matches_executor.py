@@ -96,6 +96,7 @@ def assert_same(cli, executor):
     a, b = plan(cli_model, gpus, cli_req), plan(ex_model, gpus, ex_req)
     assert (a.order, a.partition, a.num_blocks, a.pool_tokens) == (b.order, b.partition, b.num_blocks, b.pool_tokens)
     assert a.objective == b.objective
+    assert a.flashinfer_workspace_bytes == b.flashinfer_workspace_bytes  # what the executor exports
     alt = [(p.pool_alternative.order, p.pool_alternative.partition, p.pool_alternative.num_blocks,
             p.pool_alternative.pool_tokens) if p.pool_alternative else None for p in (a, b)]
     assert alt[0] == alt[1]
@@ -135,8 +136,9 @@ def dense_config(tmp_path):
 def test_runtime_assumptions_follow_the_registry():
     r = runtime_assumptions("0.30.0")
     assert r.drafter_shares_embedding and r.vision_tower_first_rank_only
-    assert r.request_fields() == {"drafter_shares_embedding": True, "vision_on_every_rank": False,
-                                  "kv_grouping": "dualgpu"}
+    fields = r.request_fields()
+    assert {k: fields[k] for k in ("drafter_shares_embedding", "vision_on_every_rank", "kv_grouping")} == {
+        "drafter_shares_embedding": True, "vision_on_every_rank": False, "kv_grouping": "dualgpu"}
     # vLLM 0.33's entries of the KV grouping patches carry a "-033" suffix: still in force
     assert runtime_assumptions("0.33.0").kv_grouping == "dualgpu"
     # A registry without the drafter patch: the drafter keeps its own copy.
@@ -184,7 +186,7 @@ def test_mtp_command(qwen3_5_hybrid_config, tmp_path):
 def test_vllms_flashinfer_workspace_size_is_the_same_question(qwen3_5_hybrid_config, tmp_path, monkeypatch):
     """vLLM allocates its FlashInfer workspace at VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE bytes (the
     reference launchers set 128 MiB): `plan` and the executor read it from the same environment and
-    plan it; with vLLM's default (394 MiB) they plan that."""
+    plan it; unset, they plan the size the executor sets."""
     monkeypatch.setenv("VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE", str(128 << 20))
     cfg = qwen3_5_hybrid_config(max_model_len=4096, max_num_seqs=4, max_num_batched_tokens=2048,
                                 mamba_ssm_cache_dtype="float32")
@@ -196,7 +198,10 @@ def test_vllms_flashinfer_workspace_size_is_the_same_question(qwen3_5_hybrid_con
     assert cli[1].memory.flashinfer_workspace_bytes == executor[1].memory.flashinfer_workspace_bytes == 128 << 20
     assert_same(cli, executor)
     monkeypatch.delenv("VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE")
-    assert cli_request(d, argv)[1].memory.flashinfer_workspace_bytes == 394 << 20  # vLLM's default
+    cli, executor = cli_request(d, argv), executor_request(cfg)
+    # unset: both plan the size the executor will set (planner/memory.py plugin_flashinfer_workspace)
+    assert cli[1].memory.flashinfer_workspace_sized and executor[1].memory.flashinfer_workspace_sized
+    assert_same(cli, executor)
 
 
 DRAFTER = Path(__file__).resolve().parents[1] / "fixtures" / "dflash2_drafter_standin.json"

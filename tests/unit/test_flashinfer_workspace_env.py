@@ -1,6 +1,7 @@
 """The size of vLLM's FlashInfer workspace comes from vLLM's own variable
 (VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE, bytes; vLLM 0.33 envs.py:1817, default 394 MiB): the plan
-charges what vLLM will allocate, on every rank that runs FlashInfer."""
+charges what vLLM will allocate, on every rank that runs FlashInfer. Where the user did not set
+it, a dualgpu run sets its own size (planner/memory.py plugin_flashinfer_workspace)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,14 @@ from vllm_dualgpu.patching.runtime import runtime_assumptions
 MIB = 1 << 20
 
 
-def test_unset_is_vllms_default(monkeypatch):
+def test_unset_is_sized_by_the_executor(monkeypatch):
     monkeypatch.delenv("VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE", raising=False)
     assert envs.flashinfer_workspace_bytes() is None
-    assert "memory" not in runtime_assumptions().request_fields()
-    assert P.MemoryModel().flashinfer_workspace_bytes == 394 * MIB
+    memory = runtime_assumptions().request_fields()["memory"]
+    assert memory.flashinfer_workspace_sized
+    assert memory.cuda_context_bytes == P.MemoryModel().cuda_context_bytes  # nothing else moves
+    assert P.MemoryModel().flashinfer_workspace_bytes == 394 * MIB  # vLLM's default, where no plan sets it
+    assert "sized by the executor" in runtime_assumptions().describe()
 
 
 @pytest.mark.parametrize("value,expected", [("134217728", 128 * MIB), (" 67108864 ", 64 * MIB)])
@@ -25,7 +29,7 @@ def test_set_is_what_the_plan_charges(monkeypatch, value, expected):
     monkeypatch.setenv("VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE", value)
     assert envs.flashinfer_workspace_bytes() == expected
     memory = runtime_assumptions().request_fields()["memory"]
-    assert memory.flashinfer_workspace_bytes == expected
+    assert memory.flashinfer_workspace_bytes == expected and not memory.flashinfer_workspace_sized
     assert memory.cuda_context_bytes == P.MemoryModel().cuda_context_bytes  # nothing else moves
     assert "FlashInfer workspace" in runtime_assumptions().describe()
 
@@ -45,7 +49,7 @@ def test_the_plan_of_the_reference_moves_by_the_workspaces(monkeypatch):
                 speculative={"method": "mtp", "num_speculative_tokens": 3}, layer_partition=[20, 44],
                 gpu_order=[0, 1], enable_prefix_caching=True)
     model = P.ModelSpec.from_hf_config(P.reference_config())
-    monkeypatch.delenv("VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE", raising=False)
+    monkeypatch.setenv("VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE", str(394 * MIB))
     a = P.fit(model, gpus, P.PlanRequest(**base, **runtime_assumptions().request_fields())).plan
     monkeypatch.setenv("VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE", str(128 * MIB))
     b = P.fit(model, gpus, P.PlanRequest(**base, **runtime_assumptions().request_fields())).plan

@@ -1,10 +1,10 @@
 """Issue 26, "Done when" (plan only): on the reference pair, for each of the reference setup's four
 launchers, the zero-flag split holds 262,144 tokens and its predicted ms/step is at most the
 prediction at the expert's split; docs/planner.md's table of them is what the planner gives.
-Under the memory model calibrated on the virtual pair, NVFP4 + DFlash2, W8A16 + DFlash2 (planned
-as its checkpoint most likely is: int8 in groups of 128, an INT8-packed embedding) and FP8 + MTP
-meet the criterion; FP8 + DFlash2 is an expected failure (strict), and the table gives for it the
-largest length that fits and its split.
+Under the memory model calibrated on the virtual pair, with the FlashInfer workspace the executor
+sets, all four launchers meet the criterion (W8A16 + DFlash2 planned as its checkpoint most likely
+is: int8 in groups of 128, an INT8-packed embedding); the table gives, for a launcher that does not
+fit, the largest length that fits and its split.
 
 Each launcher is planned as docs/headline-analysis.md and docs/recipes.md plan it: the bundled
 reference shapes in the recipe's weight format, the DFlash2 stand-in drafter, the launchers'
@@ -134,13 +134,9 @@ def doc_rows() -> dict[str, str]:
     return out
 
 
-# Issue 26's criterion; this launcher does not hold 262,144 tokens under the plan (strict: this
-# fails the day it fits, and the mark goes)
-_NOT_YET = ("does not fit 262,144 under the calibrated plan (240,608 tokens at 19/45 with the public DFlash2 "
-            "drafter): the RTX 5090 keeps 1 GiB free for its display; 262,144 fits keeping 496 MiB "
-            "(docs/planner.md), not yet run at 262,144")
-CRITERION = [pytest.param(name, marks=[pytest.mark.xfail(strict=True, raises=AssertionError, reason=_NOT_YET)])
-             if name == "fp8-dflash2" else name for name in hl.LAUNCHERS]
+# Issue 26's criterion, for every launcher (FP8 + DFlash2 since 2026-12-04: the executor's FlashInfer
+# workspace, planner/memory.py plugin_flashinfer_workspace)
+CRITERION = list(hl.LAUNCHERS)
 
 
 @pytest.mark.parametrize("launcher", CRITERION)

@@ -4,6 +4,8 @@ Runs in the EngineCore process (no CUDA context there). What it changes:
 - ``parallel_config.assigned_physical_gpu_ids``: which GPU each pipeline rank uses (the card
   with the most memory last: it holds the output head and the drafter);
 - ``VLLM_PP_LAYER_PARTITION`` (unless the user set it): the layer split, vLLM's interface for it;
+- ``VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE`` (unless the user set it, and where a rank runs
+  FlashInfer): the plan's workspace size (envs.export_flashinfer_workspace);
 - ``additional_config["dualgpu"]["plan"]``: each rank's reserve, cap and predicted costs, read
   once by each worker (:mod:`vllm_dualgpu.engine.handoff`);
 - ``parallel_config.worker_cls``: :class:`vllm_dualgpu.engine.worker.DualGpuWorker`, which gives each
@@ -164,7 +166,7 @@ def apply_plan(vllm_config) -> AppliedPlan:
     why = [reserves[card.index].why for _, _, card in placed]  # each rank's card's reason
     record = _handoff(result, ranked, user_partition, stages, cards, why)
     hand_over(vllm_config, record, off="per-rank memory budgets and summary lines",
-              kept="the GPU order and layer split")
+              kept="the GPU order and layer split", workspace_bytes=result.flashinfer_workspace_bytes)
     for line in _overrides(vllm_config, user_partition):
         logger.info(line)
     logger.info(
@@ -198,12 +200,17 @@ def measured_bandwidths(facts: list, gpus: list[VisibleGpu]) -> list:
     return used.gpus
 
 
-def hand_over(vllm_config, record: handoff.Handoff, off: str, kept: str) -> None:
-    """Give the workers the plan: the split for vLLM (unless the user's or vLLM's own), the
-    per-rank record, and the worker class that reads it. ``off``/``kept``: what a user's own
-    worker class loses and what still applies, for its WARNING."""
+def hand_over(vllm_config, record: handoff.Handoff, off: str, kept: str, workspace_bytes: int = 0) -> None:
+    """Give the workers the plan: the split for vLLM (unless the user's or vLLM's own), FlashInfer's
+    workspace size (``workspace_bytes``, the plan's; 0: vLLM's or the user's), the per-rank record,
+    and the worker class that reads it. ``off``/``kept``: what a user's own worker class loses and
+    what still applies, for its WARNING."""
     pc = vllm_config.parallel_config
     partition.export(record.partition if record.partition_source == "plan" else None)
+    envs.export_flashinfer_workspace(workspace_bytes)
+    if workspace_bytes:
+        logger.info("vllm-dualgpu: FlashInfer workspace %d MiB (%s=%d; vLLM's default is 394 MiB)",
+                    workspace_bytes >> 20, envs.FLASHINFER_WORKSPACE, workspace_bytes)
     handoff.store(vllm_config, record)
     if pc.worker_cls == STOCK_WORKER:
         pc.worker_cls = OUR_WORKER

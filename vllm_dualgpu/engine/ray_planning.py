@@ -138,7 +138,7 @@ def apply_to_bundles(vllm_config, nodes: list[NodeFacts], bundles: list[tuple[in
     record = planning._handoff(result, ranked, user_partition, why=why)
     record = replace(record, ranks=tuple(replace(r, node_id=n.node_id) for r, (n, _) in zip(record.ranks, order)))
     planning.hand_over(vllm_config, record, off="per-rank memory budgets and the planned GPU order inside each node",
-                       kept="the rank order and layer split")
+                       kept="the rank order and layer split", workspace_bytes=result.flashinfer_workspace_bytes)
     logger.info("vllm-dualgpu plan on Ray: ranks %s, layers %s, bundles %s, predicted KV pool %s blocks, "
                 "max context %s tokens", describe(order), "/".join(map(str, result.partition)),
                 os.environ[BUNDLE_ENV], f"{result.num_blocks:,}", f"{result.max_context_tokens:,}")

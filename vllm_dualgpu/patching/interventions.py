@@ -328,6 +328,31 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         issue="#2",
         upstream_draft="upstream/pipeline-layer-partition",
     ),
+    Intervention(
+        name="flashinfer-workspace-size",
+        kind=ENVIRONMENT,
+        target="VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE",
+        processes=(ENGINE,),
+        vllm_versions=CHECKED,
+        why=(
+            "Where a rank runs FlashInfer and the user did not set it, the executor sets the plan's "
+            "size (97 MiB for the reference shape instead of vLLM's 394): twice what FlashInfer 0.7's "
+            "split-KV plans can take on a card of up to 192 SMs (planner/memory.py "
+            "plugin_flashinfer_workspace); vLLM still grows the buffer to its own estimate for the "
+            "batch. The workers inherit it (envs.export_flashinfer_workspace)."
+        ),
+        upstream=(
+            "vLLM PR #40383 (open): size the workspace from the model and batch instead of a fixed "
+            "default"
+        ),
+        remove_when="vLLM sizes FlashInfer's workspace from the model, the batch and the card",
+        checks="vllm.v1.attention.backends.flashinfer:FlashInferMetadataBuilder._get_workspace_buffer",
+        params=("self",),
+        source_names=("VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE", "max_num_batched_tokens",
+                      "FLASHINFER_PREFILL_WORKSPACE_BYTES_PER_ELEM"),
+        issue="#28",
+        upstream_draft="none: vLLM PR #40383 is the upstream change",
+    ),
     # --- config ---
     Intervention(
         name="assigned-physical-gpu-ids",

@@ -31,7 +31,9 @@ class RuntimeAssumptions:
     kv_grouping: str
     """"dualgpu" when the plugin's KV grouping patches are in force, else "stock"."""
     flashinfer_workspace_bytes: int | None = None
-    """vLLM's VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE where set (the size FlashInfer allocates)."""
+    """vLLM's VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE where the user set it (the size FlashInfer
+    allocates); None: the executor sets it (the intervention "flashinfer-workspace-size",
+    :func:`vllm_dualgpu.planner.memory.plugin_flashinfer_workspace`)."""
 
     def request_fields(self) -> dict:
         """The :class:`vllm_dualgpu.planner.PlanRequest` fields these assumptions decide."""
@@ -40,14 +42,16 @@ class RuntimeAssumptions:
             "vision_on_every_rank": not self.vision_tower_first_rank_only,
             "kv_grouping": self.kv_grouping,
         }
-        if self.flashinfer_workspace_bytes is not None:
-            from vllm_dualgpu.planner.memory import MemoryModel
+        from vllm_dualgpu.planner.memory import MemoryModel
 
+        if self.flashinfer_workspace_bytes is not None:
             fields["memory"] = MemoryModel(flashinfer_workspace_bytes=self.flashinfer_workspace_bytes)
+        else:
+            fields["memory"] = MemoryModel(flashinfer_workspace_sized=True)
         return fields
 
     def describe(self) -> str:
-        fi = ("" if self.flashinfer_workspace_bytes is None else
+        fi = (", FlashInfer workspace sized by the executor" if self.flashinfer_workspace_bytes is None else
               f", FlashInfer workspace {self.flashinfer_workspace_bytes / 2**20:.0f} MiB "
               "(VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE)")
         return (f"vLLM {self.vllm_version}: drafter "

@@ -68,6 +68,12 @@ class MemoryModel:
     workspace_bytes: int = 256 * MIB
     #: FlashInfer's workspace buffer (vLLM's VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE default)
     flashinfer_workspace_bytes: int = 394 * MIB
+    #: the dualgpu executor sets VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE itself (the user did not):
+    #: :func:`plugin_flashinfer_workspace` instead of ``flashinfer_workspace_bytes``
+    flashinfer_workspace_sized: bool = False
+    #: vLLM grows the buffer to max_num_batched_tokens x query heads x head size x this
+    #: (FLASHINFER_PREFILL_WORKSPACE_BYTES_PER_ELEM, v1/attention/backends/flashinfer.py, 0.30-0.34)
+    flashinfer_bytes_per_elem: int = 16
     cudagraph_bytes: int = 512 * MIB
     #: CUDA graphs when vLLM captures at most ``cudagraph_small_max_tokens`` tokens (small batches)
     cudagraph_small_bytes: int = 256 * MIB
@@ -174,6 +180,58 @@ def drafter_attention_backend(speculative: dict | None, target_flashinfer: bool)
     return None
 
 
+#: The most streaming multiprocessors of a card :func:`plugin_flashinfer_workspace` covers (the
+#: RTX PRO 6000 has 188, an RTX 5090 170, an H200 132).
+FLASHINFER_MAX_SMS = 192
+
+
+def flashinfer_partials_bytes(model: ModelSpec, *, max_num_seqs: int, capture_tokens: int,
+                              tp: int = 1, sms: int = FLASHINFER_MAX_SMS) -> int:
+    """The most FlashInfer 0.7's plans take of the float workspace on a card of ``sms`` SMs: the
+    split-KV partial outputs (``batch_prefill_tmp_v`` and ``_tmp_s``, include/flashinfer/attention/
+    scheduler.cuh, ``PrefillPlanImpl``), the only float allocations of the FA2 prefill and decode
+    plans (FA3's ``PrefillSM90Plan`` takes none). A split plan has at most ``2 x sms / kv heads``
+    work items (``max_batch_size_if_split``), or under a CUDA graph the query tiles of the
+    captured batch, each of ``cta_tile_q`` <= 128 packed rows (16 for the captured batches);
+    rows = items x cta_tile_q / GQA group, each ``head_dim + 1`` floats per query head. The decode
+    plan's partials (query heads x items x (head_dim + 1) floats, items <= its grid / kv heads)
+    are a GQA group smaller. Independent of the context length: the KV chunk grows instead."""
+    qo = max(1, model.num_attention_heads // tp)
+    kv = max(1, model.num_kv_heads // tp)
+    group = max(1, qo // kv)
+    split_rows = (2 * sms // kv) * 128
+    graph_rows = (-(-capture_tokens * group // 16) + max_num_seqs - 1) * 16
+    rows = -(-max(split_rows, graph_rows) // group)
+    return qo * rows * (model.head_dim + 1) * 4
+
+
+def plugin_flashinfer_workspace(model: ModelSpec, *, max_num_seqs: int, capture_tokens: int,
+                                tp: int = 1, mm: MemoryModel | None = None) -> int:
+    """The FlashInfer workspace the dualgpu executor sets where the user did not
+    (``VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE``): twice :func:`flashinfer_partials_bytes` on a card
+    of :data:`FLASHINFER_MAX_SMS`, rounded up to a MiB, never above vLLM's default. vLLM still
+    grows it to its own estimate for the batch (:func:`flashinfer_workspace_size`)."""
+    mm = mm or MemoryModel()
+    need = 2 * flashinfer_partials_bytes(model, max_num_seqs=max_num_seqs, capture_tokens=capture_tokens, tp=tp)
+    return min(MemoryModel.flashinfer_workspace_bytes, -(-need // MIB) * MIB)
+
+
+def flashinfer_workspace_size(model: ModelSpec, *, max_num_batched_tokens: int, max_num_seqs: int,
+                              decode_query_len: int = 1, tp: int = 1, mm: MemoryModel) -> int:
+    """The buffer vLLM allocates for one set of FlashInfer metadata builders: the configured size
+    (the user's, vLLM's default, or :func:`plugin_flashinfer_workspace` when the executor sets it),
+    grown to vLLM's own estimate for the batch (``FlashInferMetadataBuilder._get_workspace_buffer``:
+    max_num_batched_tokens x query heads x head size x 16)."""
+    if mm.flashinfer_workspace_sized:
+        configured = plugin_flashinfer_workspace(
+            model, max_num_seqs=max_num_seqs, tp=tp, mm=mm,
+            capture_tokens=cudagraph_capture_tokens(max_num_seqs, decode_query_len))
+    else:
+        configured = mm.flashinfer_workspace_bytes
+    qo = max(1, model.num_attention_heads // tp)
+    return max(configured, max_num_batched_tokens * qo * model.head_dim * mm.flashinfer_bytes_per_elem)
+
+
 def cudagraph_capture_tokens(max_num_seqs: int, decode_query_len: int) -> int:
     """vLLM 0.33's largest CUDA-graph capture size by default (config/vllm.py,
     ``_set_cudagraph_sizes``): ``min(max_num_seqs x decode query length x 2, 512)``."""
@@ -211,7 +269,10 @@ def runtime_reserve(
     top = max(peaks, key=lambda k: peaks[k])
     parts = {top: peaks[top], "workspaces": mm.workspace_bytes}
     buffers = int(flashinfer) + int(last and drafter_flashinfer)
-    parts["flashinfer_workspace"] = buffers * mm.flashinfer_workspace_bytes
+    if buffers:
+        parts["flashinfer_workspace"] = buffers * flashinfer_workspace_size(
+            model, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+            decode_query_len=decode_query_len, mm=mm)
     if last:
         parts["sampler"] = sampler_bytes(model, max_num_seqs, mm)
     small = cudagraph_capture_tokens(max_num_seqs, decode_query_len) <= mm.cudagraph_small_max_tokens

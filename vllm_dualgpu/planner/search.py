@@ -29,11 +29,15 @@ from vllm_dualgpu.planner.gpus import GpuFacts
 from vllm_dualgpu.planner.kv import DEFAULT_KERNEL_BLOCK_ALIGNMENT, KVLayout
 from vllm_dualgpu.planner.kv_grouping import SplitGrouping
 from vllm_dualgpu.planner.memory import (
+    FLASHINFER_MAX_SMS,
     MIB,
     MemoryModel,
     attention_uses_flashinfer,
+    cudagraph_capture_tokens,
     default_batch_limits,
     drafter_attention_backend,
+    flashinfer_workspace_size,
+    plugin_flashinfer_workspace,
     received_tensor_bytes,
     runtime_reserve,
 )
@@ -189,6 +193,10 @@ class Plan:
     ``max_num_seqs`` where some split holds them, else 1."""
     pool_alternative: PoolAlternative | None = None
     """What the "pool" objective gives instead, when the "speed" rule chose another split."""
+    flashinfer_workspace_bytes: int = 0
+    """VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE as the dualgpu executor sets it where the user did not
+    (memory.plugin_flashinfer_workspace); 0: the executor leaves it alone (no rank runs FlashInfer,
+    or the user set it)."""
 
     @property
     def predicted_decode_ms(self) -> float | None:
@@ -427,6 +435,7 @@ class _Context:
         self.nvlink = all(g.nvlink for g in gpus_by_index.values())
         self.drafter = DrafterSpec.from_speculative(request.speculative, model)
         num_spec = self.drafter.num_speculative_tokens if self.drafter else 0
+        self.decode_query_len = 1 + num_spec
         mode = request.mamba_cache_mode or ("align" if request.enable_prefix_caching else "none")
         dev0 = gpus_by_index[min(gpus_by_index)]
         d_tok, d_seq = default_batch_limits(dev0.total_bytes, dev0.name)
@@ -1038,10 +1047,22 @@ def _make_plan(ctx: _Context, c: _Candidate, max_model_len: int, decode_tokens: 
             "the drafter loads its own copy of the embedding on the last rank under PP "
             "(vLLM 0.30 maybe_share_target_embed)"
         )
+    workspace = flashinfer_workspace_size(model, max_num_batched_tokens=ctx.max_num_batched_tokens,
+                                          max_num_seqs=ctx.max_num_seqs, decode_query_len=ctx.decode_query_len,
+                                          mm=ctx.mm)
     if ctx.drafter_backend and not (ctx.request.speculative or {}).get("attention_backend"):
         notes.append(f"the drafter's attention runs on {ctx.drafter_backend} (its window layers are a KV group of "
                      f"their own; on FlashInfer the last rank would hold a second "
-                     f"{ctx.request.memory.flashinfer_workspace_bytes / MIB:.0f} MiB workspace)")
+                     f"{workspace / MIB:.0f} MiB workspace)")
+    exported = 0
+    if ctx.flashinfer and ctx.mm.flashinfer_workspace_sized:
+        exported = plugin_flashinfer_workspace(model, max_num_seqs=ctx.max_num_seqs, mm=ctx.mm,
+                                               capture_tokens=cudagraph_capture_tokens(ctx.max_num_seqs,
+                                                                                       ctx.decode_query_len))
+        notes.append(f"FlashInfer workspace: the executor sets VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE to "
+                     f"{exported / MIB:.0f} MiB, twice what FlashInfer's split-KV plans can take on a card of up "
+                     f"to {FLASHINFER_MAX_SMS} SMs (vLLM's default 394 MiB; vLLM grows it to "
+                     f"{workspace / MIB:.0f} MiB for {ctx.max_num_batched_tokens:,} batched tokens)")
     if auto_fit:
         notes.append(f"--max-model-len auto: {max_model_len:,} is the largest that fits")
     kv_max = c.max_ctx
@@ -1069,6 +1090,7 @@ def _make_plan(ctx: _Context, c: _Candidate, max_model_len: int, decode_tokens: 
         max_num_seqs=ctx.max_num_seqs,
         decode_context_tokens=decode_tokens,
         held_requests=held,
+        flashinfer_workspace_bytes=exported,
     )
 
 

@@ -297,21 +297,57 @@ def test_a_hand_set_pool_past_the_plan_runs_with_a_warning(make_config, big_firs
 def test_flashinfer_workspaces_come_off_the_budget_vllm_sizes_the_kv_cache_from(make_config, monkeypatch):
     """vLLM 0.33 builds its attention backends with the KV cache (v1/worker/gpu/model_runner.py,
     initialize_kv_cache -> init_attn_backend), after its profile sized the pool, and FlashInfer then
-    allocates its 394 MiB workspace: vLLM never charges it. With an fp8 KV cache on cards of
-    different capability (FlashInfer on both), each rank's record carries that buffer, which the
-    worker takes off the budget it hands vLLM, and vLLM's charges are predicted without it."""
+    allocates its workspace: vLLM never charges it. With an fp8 KV cache on cards of different
+    capability (FlashInfer on both), each rank's record carries that buffer, which the worker takes
+    off the budget it hands vLLM, and vLLM's charges are predicted without it. Its size is what
+    vLLM allocates: the configured size (the user's 128 MiB here) grown to vLLM's estimate for the
+    batch, max_num_batched_tokens x query heads x head size x 16 bytes
+    (FlashInferMetadataBuilder._get_workspace_buffer)."""
     gpus = [VisibleGpu(0, "NVIDIA GeForce RTX 4070 Ti SUPER", 16 * GiB, 16 * GiB, (8, 9), 672.0, "GPU-a"),
             VisibleGpu(1, "NVIDIA GeForce RTX 5090", 32 * GiB, 32 * GiB, (12, 0), 1792.0, "GPU-b")]
     monkeypatch.setattr(apply, "read_visible_gpus", lambda: gpus)
     for var in ("VLLM_PP_LAYER_PARTITION", envs.RESERVE, "CUDA_VISIBLE_DEVICES", envs.PLAN_FILE, envs.OBJECTIVE):
         monkeypatch.delenv(var, raising=False)
-    cfg = make_config(kv_cache_dtype="fp8")
-    applied = apply.apply_plan(cfg)
-    records = handoff.load(cfg).ranks
-    assert [r.after_profile_bytes for r in records] == [394 * 2**20, 394 * 2**20]
-    for r, rec in zip(applied.plan.ranks, records):
-        assert rec.predicted_non_kv_bytes == (r.budget_bytes - r.kv_budget_bytes - r.fixed_detail["cuda_context"]
-                                              - 394 * 2**20)
+    monkeypatch.setenv("VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE", str(128 * 2**20))
+    for tokens, expected in ((1024, 128 * 2**20),  # vLLM's estimate 80 MiB: the configured size
+                             (8192, 8192 * Q14_FP8["num_attention_heads"] * Q14_FP8["head_dim"] * 16)):
+        cfg = make_config(kv_cache_dtype="fp8", max_num_batched_tokens=tokens)
+        applied = apply.apply_plan(cfg)
+        records = handoff.load(cfg).ranks
+        assert [r.after_profile_bytes for r in records] == [expected, expected], tokens
+        for r, rec in zip(applied.plan.ranks, records):
+            assert rec.predicted_non_kv_bytes == (r.budget_bytes - r.kv_budget_bytes - r.fixed_detail["cuda_context"]
+                                                  - expected)
     bf16 = make_config()
     apply.apply_plan(bf16)
     assert [r.after_profile_bytes for r in handoff.load(bf16).ranks] == [0, 0]
+
+
+def test_the_executor_sets_flashinfers_workspace_where_the_user_did_not(make_config, monkeypatch):
+    """Unset: the executor exports the plan's size before the workers spawn (they inherit it) and
+    logs it; a second plan in the same process does not take that export for the user's; a user's
+    own value is left alone; a run without FlashInfer takes its export back."""
+    import os
+
+    gpus = [VisibleGpu(0, "NVIDIA GeForce RTX 4070 Ti SUPER", 16 * GiB, 16 * GiB, (8, 9), 672.0, "GPU-a"),
+            VisibleGpu(1, "NVIDIA GeForce RTX 5090", 32 * GiB, 32 * GiB, (12, 0), 1792.0, "GPU-b")]
+    monkeypatch.setattr(apply, "read_visible_gpus", lambda: gpus)
+    for var in ("VLLM_PP_LAYER_PARTITION", envs.RESERVE, "CUDA_VISIBLE_DEVICES", envs.PLAN_FILE, envs.OBJECTIVE,
+                "VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    cfg = make_config(kv_cache_dtype="fp8", max_num_batched_tokens=1024)
+    first = apply.apply_plan(cfg).plan
+    exported = os.environ.get("VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE")
+    assert exported is not None and 0 < int(exported) == first.flashinfer_workspace_bytes < 394 * 2**20
+    # the worker takes what vLLM will allocate off its budget: the export, grown to vLLM's estimate
+    est = 1024 * Q14_FP8["num_attention_heads"] * Q14_FP8["head_dim"] * 16
+    assert [r.after_profile_bytes for r in handoff.load(cfg).ranks] == [max(int(exported), est)] * 2
+    again = apply.apply_plan(make_config(kv_cache_dtype="fp8", max_num_batched_tokens=1024)).plan
+    assert again.flashinfer_workspace_bytes == first.flashinfer_workspace_bytes  # not the user's value
+    apply.apply_plan(make_config())  # bf16 KV: no rank runs FlashInfer
+    assert "VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE" not in os.environ
+    monkeypatch.setenv("VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE", str(200 * 2**20))
+    user_cfg = make_config(kv_cache_dtype="fp8", max_num_batched_tokens=1024)
+    assert apply.apply_plan(user_cfg).plan.flashinfer_workspace_bytes == 0
+    assert os.environ["VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE"] == str(200 * 2**20)
+    assert [r.after_profile_bytes for r in handoff.load(user_cfg).ranks] == [200 * 2**20] * 2

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from vllm_dualgpu.cli import main
-from vllm_dualgpu.planner import ModelSpec, PlanRequest, parse_gpus, plan, reference_config
+from vllm_dualgpu.planner import MemoryModel, ModelSpec, PlanRequest, parse_gpus, plan, reference_config
 
 TINY = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 256, "intermediate_size": 512,
@@ -64,7 +64,8 @@ def test_json_output_matches_the_planner(capsys):
     # The reference pair with VLLM_DUALGPU_RESERVE=0 (the autouse fixture), planned with the
     # reference setup's single-user serving flags: fp8 KV, 2 sequences, 1,024 batched tokens.
     want = plan(ModelSpec.from_hf_config(reference_config()), parse_gpus("RTX 5090,RTX 4070 Ti SUPER"),
-                PlanRequest(kv_cache_dtype="fp8", max_num_seqs=2, max_num_batched_tokens=1024))
+                PlanRequest(kv_cache_dtype="fp8", max_num_seqs=2, max_num_batched_tokens=1024,
+                            memory=MemoryModel(flashinfer_workspace_sized=True)))  # the executor's size
     assert d["plan"]["partition"] == want.partition and d["plan"]["order"] == [1, 0]
     assert d["plan"]["num_blocks"] == want.num_blocks
     assert (d["plan"]["max_num_seqs"], d["plan"]["max_num_batched_tokens"]) == (2, 1024)
