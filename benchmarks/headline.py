@@ -358,10 +358,12 @@ def measure(llm, deadline: float, parts: tuple[str, ...] = MEASURES, progress: s
     step (run_arm reads it when the arm is cut)."""
     cfg = llm.llm_engine.vllm_config
     res = {"num_gpu_blocks": cfg.cache_config.num_gpu_blocks, "block_size": cfg.cache_config.block_size,
-           "partition": None, "skipped": []}
+           "partition": None, "skipped": [], "phase_s": {}}
     save_progress(res, progress)
+    t0 = time.time()
     greedy = timed(llm, prompt(SHORT, 1), 32)
     res["greedy_token_ids"] = greedy["tokens"]
+    res["phase_s"]["greedy"] = [t0, time.time()]  # wall-clock windows: phase_peaks_mib
     save_progress(res, progress)
     steps = {"short": lambda: decode_at(llm, prompt(SHORT, 2)), "mid": lambda: decode_at(llm, prompt(MID, 3)),
              "second_turn": lambda: second_turn(llm),
@@ -372,10 +374,12 @@ def measure(llm, deadline: float, parts: tuple[str, ...] = MEASURES, progress: s
         if time.time() > deadline:
             res["skipped"].append(name)
             continue
+        t0 = time.time()
         try:
             res[name] = fn()
         except Exception as exc:
             res[name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+        res["phase_s"][name] = [t0, time.time()]
         save_progress(res, progress)
     return res
 
@@ -464,6 +468,7 @@ class ProcessPeaks:
         self.nvml, self.period = pynvml, period
         self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
         self.peak: dict[int, int] = {}
+        self.samples: list[tuple[float, int, int]] = []  # (time, pid, used bytes): phase_peaks_mib
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
 
@@ -476,9 +481,11 @@ class ProcessPeaks:
                 procs = self.nvml.nvmlDeviceGetComputeRunningProcesses(h)
             except self.nvml.NVMLError:
                 continue
+            now = time.time()
             for p in procs:
                 used = p.usedGpuMemory or 0
                 self.peak[p.pid] = max(self.peak.get(p.pid, 0), used)
+                self.samples.append((now, p.pid, used))
         self.gpu_peak = [max(a, b) for a, b in zip(self.gpu_peak, self.gpu_used())]
 
     def _run(self):
@@ -506,6 +513,26 @@ def rank_pids(lines: list[str]) -> dict[int, int]:
         # before the ranks are named (vLLM 0.33's boot lines): VllmWorker-<rank> (PP only, TP 1)
         for m in re.finditer(r"\(VllmWorker-(\d+) pid=(\d+)\)", line):
             out.setdefault(int(m.group(2)), int(m.group(1)))
+    return out
+
+
+def phase_peaks_mib(pids: dict[int, int], samples: list[tuple[float, int, int]], phases: dict[str, list[float]],
+                    pp: int = 2) -> dict[str, list[int | None]]:
+    """Each rank's peak (MiB) within each measured phase's wall-clock window (``measure``'s
+    ``phase_s``), and "boot" for every sample before the first phase: which pass takes a rank to
+    its peak (the 250K prompt, the image, the boot's profile). ``pids``: worker pid -> rank
+    (:func:`rank_pids`); ``samples``: (time, pid, bytes) from :class:`ProcessPeaks`."""
+    windows = dict(phases)
+    if phases:
+        windows = {"boot": [float("-inf"), min(w[0] for w in phases.values())], **windows}
+    out: dict[str, list[int | None]] = {}
+    for name, (t0, t1) in windows.items():
+        by_rank: list[int | None] = [None] * pp
+        for t, pid, used in samples:
+            rank = pids.get(pid)
+            if rank is not None and rank < pp and t0 <= t <= t1:
+                by_rank[rank] = max(by_rank[rank] or 0, round(used / 2**20))
+        out[name] = by_rank
     return out
 
 
@@ -542,6 +569,8 @@ def run_arm(arm: Arm, out: Path, job, timeout: float, cards_mib: list[int] | Non
     r["booted"] = r["kv_tokens"] is not None
     r["peak_used_gib"] = [round((pk - b) / GiB, 3) for pk, b in zip(s.gpu_peak, s.gpu_base)]
     r["peak_mib"] = rank_peaks_mib(log, s.peak)
+    r["phase_peak_mib"] = phase_peaks_mib(rank_pids(grep(log, r"Worker\w*_PP\d|VllmWorker-\d")),
+                                          getattr(s, "samples", []), res.get("phase_s") or {})
     r["card_mib"] = cards_mib
     r["rank_lines"] = grep(log, r"vllm-dualgpu rank \d")
     # DUALGPU_GPU_TORCH_TOPK=1: vLLM's vocab top-k ran on torch.topk, not FlashInfer's (gpu_harness)
@@ -590,6 +619,7 @@ def headline_row(r: dict) -> dict:
         "second_turn_ttft_s": (r.get("second_turn") or {}).get("second_turn_ttft_s"),
         "greedy_token_ids": r.get("greedy_token_ids"),
         "predicted_peak_mib": r.get("predicted_peak_mib"),
+        "phase_peak_mib": r.get("phase_peak_mib"),  # per rank within each measured pass (since 2026-12-04)
     }
 
 

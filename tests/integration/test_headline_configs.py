@@ -497,3 +497,34 @@ def test_the_arms_end_with_one_image_of_four_megapixels():
     assert set(("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")) <= set(VISION_TOKENS)
     assert params.max_tokens == 1 and params.temperature == 0
     assert r["pixels"] == 4_194_304 and r["prompt_tokens"] == 4100 and r["ttft_s"] >= 0
+
+
+def test_each_pass_has_its_own_peak_per_rank():
+    """2026-12-04: FP8 + DFlash2's rank 0 peaked 66 MiB above the plan, and the arm's one peak a
+    rank could not say which pass reached it. The samples are split by the measured passes'
+    wall-clock windows: before the first one is the boot."""
+    pids = {101: 0, 202: 1}
+    mib = 2**20
+    samples = [(1.0, 101, 900 * mib), (1.0, 202, 2000 * mib),   # boot
+               (5.0, 101, 1000 * mib), (5.5, 202, 2500 * mib),  # the long prompt
+               (9.0, 101, 1200 * mib), (9.0, 202, 2100 * mib),  # the image
+               (9.5, 303, 9999 * mib)]                          # not a worker
+    phases = {"long": [4.0, 6.0], "image": [8.0, 10.0]}
+    assert hl.phase_peaks_mib(pids, samples, phases) == {
+        "boot": [900, 2000], "long": [1000, 2500], "image": [1200, 2100]}
+    assert hl.phase_peaks_mib(pids, samples, {}) == {}  # no pass measured (a refusal): nothing to split
+
+
+def test_measure_records_each_pass_window(monkeypatch):
+    """What phase_peaks_mib splits by: measure writes each pass's start and end."""
+    class Cfg:
+        cache_config = type("C", (), {"num_gpu_blocks": 10, "block_size": 16})
+        model_config = type("M", (), {"max_model_len": 4096})
+
+    llm = type("L", (), {"llm_engine": type("E", (), {"vllm_config": Cfg})})
+    monkeypatch.setattr(hl, "timed", lambda llm, ids, n: {"tokens": [1]})
+    monkeypatch.setattr(hl, "decode_at", lambda llm, ids: {"decode_ms_per_step": 1.0})
+    res = hl.measure(llm, deadline=hl.time.time() + 60, parts=("short", "mid"))
+    assert list(res["phase_s"]) == ["greedy", "short", "mid"]
+    assert all(t0 <= t1 for t0, t1 in res["phase_s"].values())
+    assert res["phase_s"]["greedy"][1] <= res["phase_s"]["short"][0] <= res["phase_s"]["mid"][0]
