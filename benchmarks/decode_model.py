@@ -78,7 +78,10 @@ from vllm_dualgpu.planner.hf_config import FULL, LINEAR  # noqa: E402
 
 FORMATS = ("fp8", "w8a16", "nvfp4", "bf16")
 DRAFTERS = ("mtp", "none")
-LAYOUTS = {"p4": (3, 1), "p16": (12, 4), "g16": (16, 0), "a4": (0, 4)}  # (GDN, attention) layers
+LAYOUTS = {"p4": (3, 1), "p16": (12, 4), "g16": (16, 0), "a4": (0, 4),  # (GDN, attention) layers
+           # the whole reference decoder on one GPU, stock vLLM at PP=1: the baseline the PP=2 pair's
+           # step is read against (its growth from 32K to 250K tokens, 2026-12-04); not a default
+           "f64": (48, 16)}
 DEFAULT_LAYOUTS = ("p4", "p16", "g16")
 CONTEXTS = {"short": hl.SHORT, "32k": hl.MID, "250k": hl.LONG}
 DECODE_TOKENS = 128
@@ -86,6 +89,7 @@ REPEATS = 2
 ARM_LIMIT_S = 400  # a cold arm took 265 s on the H200 (its boot 252 s)
 FIRST_ARM_S = 280  # --budget's guess at an arm before one has run (a cold boot took 250-270 s)
 UTILIZATION = 0.3  # ~42 GiB of an H200: the largest arm (bf16, 16 layers) with room for 262,144 tokens
+UTILIZATION_BY_LAYOUT = {"f64": 0.5}  # ~70 GiB: 64 fp8 layers, head and embedding, 262,144 tokens of KV
 SKIP_KEYS = ("modules_to_not_convert", "ignore", "exclude_modules")  # fp8, w8a16, nvfp4
 
 
@@ -136,11 +140,11 @@ class Arm:
     reads: dict  # kind -> the planner's LayerRead of one layer of it, as a dict
 
 
-def arm_kwargs(model: Path, drafter: str) -> dict:
+def arm_kwargs(model: Path, drafter: str, utilization: float = UTILIZATION) -> dict:
     # FlashInfer autotune off: the dualgpu executor turns it off for pipeline stages
     # (kernels/flashinfer.decide_flashinfer_autotune), and the model predicts those runs
     kw = {**hl.common_kwargs(model), "pipeline_parallel_size": 1, "language_model_only": True,
-          "gpu_memory_utilization": UTILIZATION, "enable_flashinfer_autotune": False}
+          "gpu_memory_utilization": utilization, "enable_flashinfer_autotune": False}
     if drafter == "none":
         kw.pop("speculative_config")
     else:
@@ -166,7 +170,8 @@ def arm_specs(models: Path, formats=FORMATS, drafters=DRAFTERS, layouts=DEFAULT_
                     reads.setdefault(r.kind, dataclasses.asdict(r))
                 ctx = [min(contexts)] if FULL not in kinds else sorted(contexts)
                 arms.append(Arm(f"{fmt}-{drafter}-{layout}", fmt, drafter, layout,
-                                {k: kinds.count(k) for k in (LINEAR, FULL)}, ctx, arm_kwargs(model, drafter), reads))
+                                {k: kinds.count(k) for k in (LINEAR, FULL)}, ctx,
+                                arm_kwargs(model, drafter, UTILIZATION_BY_LAYOUT.get(layout, UTILIZATION)), reads))
     order = {(f, d): i for i, (f, d) in enumerate((f, d) for f in formats for d in drafters)}
     return sorted(arms, key=lambda a: order[(a.fmt, a.drafter)])  # stable: layouts keep their order
 

@@ -155,6 +155,21 @@ def test_the_summary_fits_each_format_and_drafter():
 def test_layer_kinds_follow_the_reference_pattern():
     assert dm.layer_kinds("p4") == [L, L, L, F]
     assert dm.layer_kinds("g16") == [L] * 16 and dm.layer_kinds("a4") == [F] * 4
+    # the whole reference decoder (f64): its config.json's own layer_types
+    from vllm_dualgpu.planner import reference_config
+
+    assert dm.layer_kinds("f64") == reference_config()["text_config"]["layer_types"]
+    assert "f64" not in dm.DEFAULT_LAYOUTS
+
+
+def test_the_whole_decoder_arm_gets_the_room_it_needs(tmp_path):
+    """f64 at PP=1: 64 layers, head, embedding and 262,144 tokens of fp8 KV do not fit the cut
+    arms' 0.3 of an H200 (42 GiB): it asks for half."""
+    arms = {a.layout: a for a in dm.arm_specs(tmp_path, formats=("fp8",), drafters=("mtp",), layouts=("p4", "f64"),
+                                              tokenizer=False)}
+    assert arms["f64"].kwargs["gpu_memory_utilization"] == 0.5
+    assert arms["p4"].kwargs["gpu_memory_utilization"] == dm.UTILIZATION == 0.3
+    assert arms["f64"].layers == {L: 48, F: 16} and arms["f64"].contexts == [dm.hl.SHORT, dm.hl.MID, dm.hl.LONG]
 
 
 class FakeDevice:

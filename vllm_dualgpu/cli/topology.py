@@ -45,7 +45,25 @@ def add_to(p) -> None:
                    help="context per sequence for the decode estimate and the batch (default: --max-model-len)")
     g.add_argument("--route-name", help="model name clients use, for the route output (default: the model's name)")
     plain = p.get_default("run")
-    p.set_defaults(run=lambda args: run(args) if wants(args) else plain(args))
+    p.set_defaults(run=lambda args: run(args) if wants(args) else (refuse_fleet_options(args) or plain(args)))
+
+
+#: Options that only a fleet plan reads: on one pipeline they are refused, not ignored.
+FLEET_ONLY = (("decode_context", "--decode-context"), ("prefer", "--prefer"), ("tp_sizes", "--tp-sizes"),
+              ("route_name", "--route-name"))
+
+
+def refuse_fleet_options(args) -> int | None:
+    """2 (after one line on stderr) when a fleet-only option was given to a one-pipeline plan,
+    else None. The executor of one pipeline predicts decode at --max-model-len and takes no TP
+    sizes or routes, so the plan cannot take them either."""
+    given = [flag for attr, flag in FLEET_ONLY if getattr(args, attr, None) is not None]
+    if not given:
+        return None
+    print(f"vllm-dualgpu plan: {given[0]} is a fleet option: it applies to hosts separated by ';' in --gpus or "
+          f"a --fleet file, not to one pipeline (whose decode is predicted at --max-model-len, as the "
+          f"executor plans it); drop it, or plan a fleet", file=sys.stderr)
+    return 2
 
 
 def wants(args) -> bool:

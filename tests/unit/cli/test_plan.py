@@ -214,3 +214,16 @@ def test_an_unsupported_vllm_is_said_and_the_plan_assumes_the_newest(monkeypatch
     assert "Note: vllm-dualgpu 0.1.0 supports vLLM >=0.30.0,<0.35, found 0.35.0" in out
     assert f"this plan assumes vLLM {support.CHECKED_RELEASES[-1]}" in out
     assert runtime_assumptions().vllm_version == support.CHECKED_RELEASES[-1]
+
+
+@pytest.mark.parametrize("flag,value", [("--decode-context", "65536"), ("--prefer", "latency"),
+                                        ("--tp-sizes", "1,2"), ("--route-name", "m")])
+def test_a_fleet_option_on_one_pipeline_is_refused_not_ignored(capsys, flag, value):
+    """2026-12-04: `plan --decode-context 64` on one pipeline printed the prediction at
+    --max-model-len, the flag silently unused (it belongs to fleet plans). The executor predicts at
+    --max-model-len, so a single pipeline's plan cannot take it either: refused, saying where it applies."""
+    rc, out, err = run_cli(capsys, flag, value)
+    assert rc == 2 and out == ""
+    first = err.splitlines()[0]
+    assert first.startswith(f"vllm-dualgpu plan: {flag} is a fleet option"), first
+    assert "--fleet" in first and "';'" in first
