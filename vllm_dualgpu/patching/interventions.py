@@ -226,6 +226,23 @@ def probe_cute_dsl_arch(item: Intervention) -> tuple[str, str]:
     return HOLDS, ""
 
 
+def probe_in_file(item: Intervention) -> tuple[str, str]:
+    """``item.checks`` read from its module's file instead of imported, for a vLLM module that
+    does not import on every machine (vLLM's FlashInfer backend asserts CUDA at import, so on a
+    CPU-only torch the import fails where the file is as expected): the method with ``params``,
+    its source naming every ``source_names`` entry."""
+    from vllm_dualgpu.patching.source_check import check_in_file, source_in_file
+
+    why = check_in_file(item.checks, item.params or ())
+    if why:
+        return MISSING, why
+    source = source_in_file(item.checks) or ""
+    absent = [n for n in item.source_names if n not in source]
+    if absent:
+        return MISSING, f"{item.checks} no longer uses {', '.join(absent)}"
+    return HOLDS, ""
+
+
 _KV = "vllm.v1.core.kv_cache_utils"
 _KV_PLANNING = "vllm.v1.core.kv_cache_planning"
 _WORKER = "vllm.v1.worker.gpu_worker:Worker"
@@ -350,6 +367,7 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         params=("self",),
         source_names=("VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE", "max_num_batched_tokens",
                       "FLASHINFER_PREFILL_WORKSPACE_BYTES_PER_ELEM"),
+        probe="vllm_dualgpu.patching.interventions:probe_in_file",  # the module asserts CUDA at import
         issue="#28",
         upstream_draft="none: vLLM PR #40383 is the upstream change",
     ),

@@ -93,6 +93,25 @@ def check_in_path(path: str, target: str, params: tuple[str, ...], sha256: str =
     return ""
 
 
+def source_in_file(target: str) -> str | None:
+    """The source of ``module:Qualified.name`` read from the module's file without importing it
+    (from its first decorator to its last statement), or None where it is not found."""
+    module, qualname = target.split(":", 1)
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        return None
+    with open(spec.origin, encoding="utf-8") as f:
+        source = f.read()
+    node = _find(ast.parse(source), qualname)
+    if node is None:
+        return None
+    first = min([d.lineno for d in node.decorator_list] + [node.lineno])
+    return "".join(source.splitlines(keepends=True)[first - 1 : node.end_lineno])
+
+
 def source_mismatch(target: str, found: str, expected: str) -> str:
     return (
         f"the source of {target} is not the one this patch was written against "
