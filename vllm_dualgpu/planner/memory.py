@@ -188,30 +188,31 @@ FLASHINFER_MAX_SMS = 192
 def flashinfer_partials_bytes(model: ModelSpec, *, max_num_seqs: int, capture_tokens: int,
                               tp: int = 1, sms: int = FLASHINFER_MAX_SMS) -> int:
     """The most FlashInfer 0.7's plans take of the float workspace on a card of ``sms`` SMs: the
-    split-KV partial outputs (``batch_prefill_tmp_v`` and ``_tmp_s``, include/flashinfer/attention/
-    scheduler.cuh, ``PrefillPlanImpl``), the only float allocations of the FA2 prefill and decode
-    plans (FA3's ``PrefillSM90Plan`` takes none). A split plan has at most ``2 x sms / kv heads``
-    work items (``max_batch_size_if_split``), or under a CUDA graph the query tiles of the
-    captured batch, each of ``cta_tile_q`` <= 128 packed rows (16 for the captured batches);
-    rows = items x cta_tile_q / GQA group, each ``head_dim + 1`` floats per query head. The decode
-    plan's partials (query heads x items x (head_dim + 1) floats, items <= its grid / kv heads)
-    are a GQA group smaller. Independent of the context length: the KV chunk grows instead."""
+    split-KV partial outputs and their log-sum-exps, the only float allocations of the FA2 prefill
+    and decode plans (include/flashinfer/attention/scheduler.cuh; FA3's ``PrefillSM90Plan`` takes
+    none). Prefill (``PrefillPlanImpl``, ``batch_prefill_tmp_v`` / ``_tmp_s``): at most
+    ``2 x sms / kv heads`` work items (``max_batch_size_if_split``), or under a CUDA graph the
+    query tiles of the captured batch, each of ``cta_tile_q`` <= 128 packed rows (16 for the
+    captured batches); rows = items x cta_tile_q / GQA group. Decode (``DecodePlanImpl``): at most
+    its grid / kv heads items, the grid at most 16 blocks an SM (128 threads or more a block); one
+    row a query head each. Every row holds ``head_dim + 1`` floats per query head. Independent of
+    the context length: the KV chunk grows instead."""
     qo = max(1, model.num_attention_heads // tp)
     kv = max(1, model.num_kv_heads // tp)
     group = max(1, qo // kv)
     split_rows = (2 * sms // kv) * 128
     graph_rows = (-(-capture_tokens * group // 16) + max_num_seqs - 1) * 16
-    rows = -(-max(split_rows, graph_rows) // group)
-    return qo * rows * (model.head_dim + 1) * 4
+    prefill_rows = -(-max(split_rows, graph_rows) // group)
+    decode_rows = 16 * sms // kv
+    return qo * max(prefill_rows, decode_rows) * (model.head_dim + 1) * 4
 
 
 def plugin_flashinfer_workspace(model: ModelSpec, *, max_num_seqs: int, capture_tokens: int,
-                                tp: int = 1, mm: MemoryModel | None = None) -> int:
+                                tp: int = 1) -> int:
     """The FlashInfer workspace the dualgpu executor sets where the user did not
     (``VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE``): twice :func:`flashinfer_partials_bytes` on a card
     of :data:`FLASHINFER_MAX_SMS`, rounded up to a MiB, never above vLLM's default. vLLM still
     grows it to its own estimate for the batch (:func:`flashinfer_workspace_size`)."""
-    mm = mm or MemoryModel()
     need = 2 * flashinfer_partials_bytes(model, max_num_seqs=max_num_seqs, capture_tokens=capture_tokens, tp=tp)
     return min(MemoryModel.flashinfer_workspace_bytes, -(-need // MIB) * MIB)
 
@@ -224,7 +225,7 @@ def flashinfer_workspace_size(model: ModelSpec, *, max_num_batched_tokens: int, 
     max_num_batched_tokens x query heads x head size x 16)."""
     if mm.flashinfer_workspace_sized:
         configured = plugin_flashinfer_workspace(
-            model, max_num_seqs=max_num_seqs, tp=tp, mm=mm,
+            model, max_num_seqs=max_num_seqs, tp=tp,
             capture_tokens=cudagraph_capture_tokens(max_num_seqs, decode_query_len))
     else:
         configured = mm.flashinfer_workspace_bytes

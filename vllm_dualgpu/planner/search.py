@@ -1056,7 +1056,7 @@ def _make_plan(ctx: _Context, c: _Candidate, max_model_len: int, decode_tokens: 
                      f"{workspace / MIB:.0f} MiB workspace)")
     exported = 0
     if ctx.flashinfer and ctx.mm.flashinfer_workspace_sized:
-        exported = plugin_flashinfer_workspace(model, max_num_seqs=ctx.max_num_seqs, mm=ctx.mm,
+        exported = plugin_flashinfer_workspace(model, max_num_seqs=ctx.max_num_seqs,
                                                capture_tokens=cudagraph_capture_tokens(ctx.max_num_seqs,
                                                                                        ctx.decode_query_len))
         notes.append(f"FlashInfer workspace: the executor sets VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE to "

@@ -36,6 +36,17 @@ def test_a_card_with_fewer_sms_needs_less():
     assert flashinfer_partials_bytes(REF, max_num_seqs=2, capture_tokens=32, sms=170) == 44_755_008
 
 
+def test_a_wide_gqa_group_is_bounded_by_the_decode_plan():
+    """64 query heads on 2 KV heads (a GQA group of 32), head size 128, 192 SMs: the prefill split
+    holds 192 items x 128 rows / 32 = 768 rows; the decode plan up to 16 x 192 / 2 = 1,536 items of
+    one row a head: 64 x 1,536 x 129 floats x 4 bytes = 50,724,864 bytes."""
+    cfg = P.reference_config()
+    wide = P.ModelSpec.from_hf_config({**cfg, "text_config": {**cfg["text_config"], "num_attention_heads": 64,
+                                                              "num_key_value_heads": 2, "head_dim": 128}})
+    assert (wide.num_attention_heads, wide.num_kv_heads, wide.head_dim) == (64, 2, 128)
+    assert flashinfer_partials_bytes(wide, max_num_seqs=2, capture_tokens=32) == 50_724_864
+
+
 def _reserve(tokens: int, mm: MemoryModel) -> int:
     return runtime_reserve(REF, first=False, last=True, max_num_batched_tokens=tokens, max_num_seqs=2,
                            enforce_eager=False, vision=False, mm=mm, decode_query_len=4,
