@@ -536,10 +536,11 @@ def phase_peaks_mib(pids: dict[int, int], samples: list[tuple[float, int, int]],
     return out
 
 
-def rank_peaks_mib(log: Path, peaks: dict[int, int], pp: int = 2) -> list[int | None]:
-    """Each rank's peak (MiB) from the per-process samples; None where no process was mapped."""
+def rank_peaks_mib(pids: dict[int, int], peaks: dict[int, int], pp: int = 2) -> list[int | None]:
+    """Each rank's peak (MiB) from the per-process samples; None where no process was mapped.
+    ``pids``: worker pid -> rank (:func:`rank_pids` of the arm's log)."""
     by_rank: list[int | None] = [None] * pp
-    for pid, rank in rank_pids(grep(log, r"Worker\w*_PP\d|VllmWorker-\d")).items():
+    for pid, rank in pids.items():
         if rank < pp and pid in peaks:
             by_rank[rank] = max(by_rank[rank] or 0, round(peaks[pid] / 2**20))
     return by_rank
@@ -568,9 +569,9 @@ def run_arm(arm: Arm, out: Path, job, timeout: float, cards_mib: list[int] | Non
     r["kv_tokens"] = res["num_gpu_blocks"] * res["block_size"] if res.get("num_gpu_blocks") else None
     r["booted"] = r["kv_tokens"] is not None
     r["peak_used_gib"] = [round((pk - b) / GiB, 3) for pk, b in zip(s.gpu_peak, s.gpu_base)]
-    r["peak_mib"] = rank_peaks_mib(log, s.peak)
-    r["phase_peak_mib"] = phase_peaks_mib(rank_pids(grep(log, r"Worker\w*_PP\d|VllmWorker-\d")),
-                                          getattr(s, "samples", []), res.get("phase_s") or {})
+    pids = rank_pids(grep(log, r"Worker\w*_PP\d|VllmWorker-\d"))
+    r["peak_mib"] = rank_peaks_mib(pids, s.peak)
+    r["phase_peak_mib"] = phase_peaks_mib(pids, getattr(s, "samples", []), res.get("phase_s") or {})
     r["card_mib"] = cards_mib
     r["rank_lines"] = grep(log, r"vllm-dualgpu rank \d")
     # DUALGPU_GPU_TORCH_TOPK=1: vLLM's vocab top-k ran on torch.topk, not FlashInfer's (gpu_harness)

@@ -7,8 +7,10 @@ context.
 
 Measured: the headline arms that ran ALONE on the virtual 16 + 32 GiB pair (vLLM 0.33.0, one
 H200, both ranks on it), decode ms per step at 64 / 32K / 250K tokens of context (``MEASURED``:
-each arm's result file). Predicted: ``vllm-dualgpu plan --json`` for the same launcher flags at
-the arm's split (``--layer-partition``) and context (``--decode-context``), both virtual cards at
+each arm's result file). Predicted: the planner asked as ``vllm-dualgpu plan`` asks it for the
+same launcher flags at the arm's split (``--layer-partition``), its decode predicted at the
+measured context (``PlanRequest.decode_context_tokens``, which a one-pipeline ``plan`` does not
+take on its command line), both virtual cards at
 the H200's read bandwidth as ``vllm-dualgpu calibrate`` measured it (4,151 GB/s,
 benchmarks/results/2026-12-02-decode-model/probe.json), so the bound is what this GPU could do.
 Both ranks share the one GPU, so a step is rank 0's pass, then rank 1's, plus the socket hops

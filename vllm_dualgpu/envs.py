@@ -98,7 +98,7 @@ def export_flashinfer_workspace(size_bytes: int) -> None:
 def flashinfer_workspace_bytes() -> int | None:
     """vLLM's ``VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE`` (bytes, vllm/envs.py: ``int(...)``), the
     workspace FlashInfer's attention allocates on each rank that runs it; None when unset (a dualgpu
-    run then sets its own size, engine/flashinfer_workspace.py), set by the executor itself, or not a
+    run then sets its own size, :func:`export_flashinfer_workspace`), set by the executor itself, or not a
     number vLLM reads (vLLM then fails on it with its own error)."""
     text = os.environ.get(FLASHINFER_WORKSPACE)
     if text == _workspace_exported:  # the executor's own export is not the user's

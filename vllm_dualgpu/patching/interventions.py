@@ -231,16 +231,10 @@ def probe_in_file(item: Intervention) -> tuple[str, str]:
     does not import on every machine (vLLM's FlashInfer backend asserts CUDA at import, so on a
     CPU-only torch the import fails where the file is as expected): the method with ``params``,
     its source naming every ``source_names`` entry."""
-    from vllm_dualgpu.patching.source_check import check_in_file, source_in_file
+    from vllm_dualgpu.patching.source_check import check_in_file
 
-    why = check_in_file(item.checks, item.params or ())
-    if why:
-        return MISSING, why
-    source = source_in_file(item.checks) or ""
-    absent = [n for n in item.source_names if n not in source]
-    if absent:
-        return MISSING, f"{item.checks} no longer uses {', '.join(absent)}"
-    return HOLDS, ""
+    why = check_in_file(item.checks, item.params or (), names=item.source_names)
+    return (MISSING, why) if why else (HOLDS, "")
 
 
 _KV = "vllm.v1.core.kv_cache_utils"

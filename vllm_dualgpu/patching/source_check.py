@@ -60,10 +60,10 @@ def _params(node: ast.FunctionDef) -> tuple[str, ...]:
     return tuple(names)
 
 
-def check_in_file(target: str, params: tuple[str, ...], sha256: str = "") -> str:
+def check_in_file(target: str, params: tuple[str, ...], sha256: str = "", names: tuple[str, ...] = ()) -> str:
     """What core's checks would say about ``module:Qualified.name``, read from the file without
-    importing it: "" when it is there with these parameters (and this source digest, if given),
-    else the reason."""
+    importing it: "" when it is there with these parameters (and this source digest, if given,
+    and a source naming every one of ``names``), else the reason."""
     module = target.split(":", 1)[0]
     try:
         spec = importlib.util.find_spec(module)
@@ -71,10 +71,11 @@ def check_in_file(target: str, params: tuple[str, ...], sha256: str = "") -> str
         return f"{module} cannot be found: {exc}"
     if spec is None or not spec.origin or not spec.origin.endswith(".py"):
         return f"{module} has no Python source"
-    return check_in_path(spec.origin, target, params, sha256)
+    return check_in_path(spec.origin, target, params, sha256, names)
 
 
-def check_in_path(path: str, target: str, params: tuple[str, ...], sha256: str = "") -> str:
+def check_in_path(path: str, target: str, params: tuple[str, ...], sha256: str = "",
+                  names: tuple[str, ...] = ()) -> str:
     """:func:`check_in_file` for the module's source at ``path`` (a release's unpacked tree)."""
     qualname = target.split(":", 1)[1]
     with open(path, encoding="utf-8") as f:
@@ -85,31 +86,14 @@ def check_in_path(path: str, target: str, params: tuple[str, ...], sha256: str =
     found = _params(node)
     if found != params:
         return f"{target} takes ({', '.join(found)}), expected ({', '.join(params)})"
-    if sha256:
-        first = min([d.lineno for d in node.decorator_list] + [node.lineno])
-        lines = source.splitlines(keepends=True)[first - 1 : node.end_lineno]
-        if digest(lines) != sha256:
-            return source_mismatch(target, digest(lines), sha256)
-    return ""
-
-
-def source_in_file(target: str) -> str | None:
-    """The source of ``module:Qualified.name`` read from the module's file without importing it
-    (from its first decorator to its last statement), or None where it is not found."""
-    module, qualname = target.split(":", 1)
-    try:
-        spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
-        return None
-    with open(spec.origin, encoding="utf-8") as f:
-        source = f.read()
-    node = _find(ast.parse(source), qualname)
-    if node is None:
-        return None
     first = min([d.lineno for d in node.decorator_list] + [node.lineno])
-    return "".join(source.splitlines(keepends=True)[first - 1 : node.end_lineno])
+    lines = source.splitlines(keepends=True)[first - 1 : node.end_lineno]
+    if sha256 and digest(lines) != sha256:
+        return source_mismatch(target, digest(lines), sha256)
+    absent = [n for n in names if n not in "".join(lines)]
+    if absent:
+        return f"{target} no longer uses {', '.join(absent)}"
+    return ""
 
 
 def source_mismatch(target: str, found: str, expected: str) -> str:

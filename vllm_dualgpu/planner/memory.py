@@ -217,18 +217,25 @@ def plugin_flashinfer_workspace(model: ModelSpec, *, max_num_seqs: int, capture_
     return min(MemoryModel.flashinfer_workspace_bytes, -(-need // MIB) * MIB)
 
 
+def configured_flashinfer_workspace(model: ModelSpec, *, max_num_seqs: int, decode_query_len: int = 1,
+                                    tp: int = 1, mm: MemoryModel) -> int:
+    """VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE as vLLM will read it: :func:`plugin_flashinfer_workspace`
+    where the executor sets it (``mm.flashinfer_workspace_sized``), else the user's value or vLLM's
+    default (``mm.flashinfer_workspace_bytes``)."""
+    if not mm.flashinfer_workspace_sized:
+        return mm.flashinfer_workspace_bytes
+    return plugin_flashinfer_workspace(model, max_num_seqs=max_num_seqs, tp=tp,
+                                       capture_tokens=cudagraph_capture_tokens(max_num_seqs, decode_query_len))
+
+
 def flashinfer_workspace_size(model: ModelSpec, *, max_num_batched_tokens: int, max_num_seqs: int,
                               decode_query_len: int = 1, tp: int = 1, mm: MemoryModel) -> int:
     """The buffer vLLM allocates for one set of FlashInfer metadata builders: the configured size
-    (the user's, vLLM's default, or :func:`plugin_flashinfer_workspace` when the executor sets it),
-    grown to vLLM's own estimate for the batch (``FlashInferMetadataBuilder._get_workspace_buffer``:
-    max_num_batched_tokens x query heads x head size x 16)."""
-    if mm.flashinfer_workspace_sized:
-        configured = plugin_flashinfer_workspace(
-            model, max_num_seqs=max_num_seqs, tp=tp,
-            capture_tokens=cudagraph_capture_tokens(max_num_seqs, decode_query_len))
-    else:
-        configured = mm.flashinfer_workspace_bytes
+    (:func:`configured_flashinfer_workspace`), grown to vLLM's own estimate for the batch
+    (``FlashInferMetadataBuilder._get_workspace_buffer``: max_num_batched_tokens x query heads x
+    head size x 16)."""
+    configured = configured_flashinfer_workspace(model, max_num_seqs=max_num_seqs,
+                                                 decode_query_len=decode_query_len, tp=tp, mm=mm)
     qo = max(1, model.num_attention_heads // tp)
     return max(configured, max_num_batched_tokens * qo * model.head_dim * mm.flashinfer_bytes_per_elem)
 

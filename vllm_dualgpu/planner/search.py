@@ -33,11 +33,10 @@ from vllm_dualgpu.planner.memory import (
     MIB,
     MemoryModel,
     attention_uses_flashinfer,
-    cudagraph_capture_tokens,
+    configured_flashinfer_workspace,
     default_batch_limits,
     drafter_attention_backend,
     flashinfer_workspace_size,
-    plugin_flashinfer_workspace,
     received_tensor_bytes,
     runtime_reserve,
 )
@@ -1056,9 +1055,8 @@ def _make_plan(ctx: _Context, c: _Candidate, max_model_len: int, decode_tokens: 
                      f"{workspace / MIB:.0f} MiB workspace)")
     exported = 0
     if ctx.flashinfer and ctx.mm.flashinfer_workspace_sized:
-        exported = plugin_flashinfer_workspace(model, max_num_seqs=ctx.max_num_seqs,
-                                               capture_tokens=cudagraph_capture_tokens(ctx.max_num_seqs,
-                                                                                       ctx.decode_query_len))
+        exported = configured_flashinfer_workspace(model, max_num_seqs=ctx.max_num_seqs,
+                                                   decode_query_len=ctx.decode_query_len, mm=ctx.mm)
         notes.append(f"FlashInfer workspace: the executor sets VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE to "
                      f"{exported / MIB:.0f} MiB, twice what FlashInfer's split-KV plans can take on a card of up "
                      f"to {FLASHINFER_MAX_SMS} SMs (vLLM's default 394 MiB; vLLM grows it to "
