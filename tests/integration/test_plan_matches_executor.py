@@ -137,6 +137,7 @@ def test_runtime_assumptions_follow_the_registry():
     r = runtime_assumptions("0.30.0")
     assert r.drafter_shares_embedding and r.vision_tower_first_rank_only
     fields = r.request_fields()
+    assert set(fields) == {"drafter_shares_embedding", "vision_on_every_rank", "kv_grouping", "memory"}
     assert {k: fields[k] for k in ("drafter_shares_embedding", "vision_on_every_rank", "kv_grouping")} == {
         "drafter_shares_embedding": True, "vision_on_every_rank": False, "kv_grouping": "dualgpu"}
     # vLLM 0.33's entries of the KV grouping patches carry a "-033" suffix: still in force
