@@ -359,6 +359,7 @@ def measure(llm, deadline: float, parts: tuple[str, ...] = MEASURES, progress: s
     cfg = llm.llm_engine.vllm_config
     res = {"num_gpu_blocks": cfg.cache_config.num_gpu_blocks, "block_size": cfg.cache_config.block_size,
            "partition": None, "skipped": [], "phase_s": {}}
+    res["torch_mib"] = {"boot": torch_memory_mib(llm)}
     save_progress(res, progress)
     t0 = time.time()
     greedy = timed(llm, prompt(SHORT, 1), 32)
@@ -380,8 +381,34 @@ def measure(llm, deadline: float, parts: tuple[str, ...] = MEASURES, progress: s
         except Exception as exc:
             res[name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
         res["phase_s"][name] = [t0, time.time()]
+        res["torch_mib"][name] = torch_memory_mib(llm)
         save_progress(res, progress)
     return res
+
+
+def worker_torch_memory(worker=None) -> dict:
+    """Run in each worker (``LLM.collective_rpc``): torch's caching allocator on the rank's device,
+    MiB: what it holds now and the peaks since vLLM last reset them."""
+    import torch
+
+    mib = 2**20
+    return {"reserved": round(torch.cuda.memory_reserved() / mib),
+            "max_reserved": round(torch.cuda.max_memory_reserved() / mib),
+            "max_allocated": round(torch.cuda.max_memory_allocated() / mib)}
+
+
+def torch_memory_mib(llm) -> list | dict:
+    """Each rank's :func:`worker_torch_memory` after a pass (rank order), or {"error": ...}: set
+    beside the pass's NVML peak (``phase_peak_mib``), it says whether what a pass adds is torch's
+    (activations, the allocator's segments) or outside torch (CUDA modules, NCCL, FlashInfer's JIT
+    kernels). The function travels by value: the workers cannot import this script."""
+    try:
+        import cloudpickle
+
+        cloudpickle.register_pickle_by_value(sys.modules[worker_torch_memory.__module__])
+        return llm.collective_rpc(worker_torch_memory)
+    except Exception as exc:  # a measurement aid: never fail the arm over it
+        return {"error": f"{type(exc).__name__}: {exc}"[:300]}
 
 
 def long_prompt(max_model_len: int) -> int:
@@ -621,6 +648,7 @@ def headline_row(r: dict) -> dict:
         "greedy_token_ids": r.get("greedy_token_ids"),
         "predicted_peak_mib": r.get("predicted_peak_mib"),
         "phase_peak_mib": r.get("phase_peak_mib"),  # per rank within each measured pass (since 2026-12-04)
+        "torch_mib": r.get("torch_mib"),  # per rank after the boot and each pass: torch's allocator (since run 13)
     }
 
 

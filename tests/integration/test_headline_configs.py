@@ -521,10 +521,48 @@ def test_measure_records_each_pass_window(monkeypatch):
         cache_config = type("C", (), {"num_gpu_blocks": 10, "block_size": 16})
         model_config = type("M", (), {"max_model_len": 4096})
 
-    llm = type("L", (), {"llm_engine": type("E", (), {"vllm_config": Cfg})})
+    calls = []
+    llm = type("L", (), {"llm_engine": type("E", (), {"vllm_config": Cfg}),
+                         "collective_rpc": lambda self, fn: calls.append(fn) or [{"reserved": len(calls)}] * 2})()
     monkeypatch.setattr(hl, "timed", lambda llm, ids, n: {"tokens": [1]})
     monkeypatch.setattr(hl, "decode_at", lambda llm, ids: {"decode_ms_per_step": 1.0})
     res = hl.measure(llm, deadline=hl.time.time() + 60, parts=("short", "mid"))
     assert list(res["phase_s"]) == ["greedy", "short", "mid"]
+    # torch's allocator asked of every rank after the boot and after each measured pass, in order
+    assert res["torch_mib"] == {"boot": [{"reserved": 1}] * 2, "short": [{"reserved": 2}] * 2,
+                                "mid": [{"reserved": 3}] * 2}
+    assert calls == [hl.worker_torch_memory] * 3
     assert all(t0 <= t1 for t0, t1 in res["phase_s"].values())
     assert res["phase_s"]["greedy"][1] <= res["phase_s"]["short"][0] <= res["phase_s"]["mid"][0]
+
+
+def test_torch_memory_reaches_a_process_that_cannot_import_the_script(tmp_path):
+    """The workers (spawned by vLLM) have no benchmarks/ on their path: the function must travel
+    by value, and answer there with torch's figures for the rank."""
+    import subprocess
+    import sys
+
+    import cloudpickle
+
+    sent = []
+
+    class LLM:
+        def collective_rpc(self, fn):
+            sent.append(cloudpickle.dumps(fn))
+            return ["answered"]
+
+    assert hl.torch_memory_mib(LLM()) == ["answered"]
+    code = "import pickle, sys; f = pickle.loads(sys.stdin.buffer.read()); print(sorted(f(None).items()))"
+    out = subprocess.run([sys.executable, "-c", code], input=sent[0], capture_output=True, cwd=tmp_path,
+                         env={"PATH": "/usr/bin:/bin"}, timeout=120)
+    assert out.returncode == 0, out.stderr.decode()[-800:]
+    # a CPU-only torch: no CUDA memory held
+    assert out.stdout.decode().strip() == "[('max_allocated', 0), ('max_reserved', 0), ('reserved', 0)]"
+
+
+def test_torch_memory_failure_is_recorded_not_raised():
+    class LLM:
+        def collective_rpc(self, fn):
+            raise RuntimeError("engine core gone")
+
+    assert hl.torch_memory_mib(LLM()) == {"error": "RuntimeError: engine core gone"}
