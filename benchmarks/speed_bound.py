@@ -45,7 +45,15 @@ MEASURED = [
     ("fp8-mtp", "split-at-expert", "2026-12-04-headline-virtual-run10/hl/arms/fp8-mtp_split-at-expert.json"),
     ("fp8-dflash2", "plugin", "2026-12-04-headline-virtual-run11/hl/arms/fp8-dflash2_plugin.json"),
     ("fp8-mtp", "expert", "2026-12-04-headline-virtual-run11/hl/arms/fp8-mtp_expert.json"),
+    ("fp8-mtp", "expert-run12", "2026-12-04-headline-virtual-run12/hl/headline/arms/fp8-mtp_expert.json"),
+    ("fp8-mtp", "at-expert-graphs", "2026-12-04-headline-virtual-run12/hl/headline/arms/fp8-mtp_at-expert-graphs.json"),
+    ("fp8-mtp", "at-expert-graphs-xqa",
+     "2026-12-04-headline-virtual-run12/hl-cubin/headline/arms/fp8-mtp_at-expert-graphs.json"),
 ]
+#: arms whose SM 9.0 rank verified the draft tokens through FlashInfer's XQA decode (the twelfth run's
+#: queue line set VLLM_HAS_FLASHINFER_CUBIN=1); every other arm ran vLLM's offline path, which
+#: verifies them as prefills without a KV split on that rank (docs/benchmarks.md, "Twelfth run")
+XQA_ARMS = {("fp8-mtp", "at-expert-graphs-xqa")}
 KEYS = {"short": "short", "mid": "32k", "long": "250k"}
 
 
@@ -92,16 +100,19 @@ def rows() -> list[dict]:
                             "measured_over_predicted": round(m["decode_ms_per_step"] / pred, 2),
                             "cudagraph_mode": (r["kwargs"].get("compilation_config") or {}).get("cudagraph_mode",
                                                                                                 "vLLM's default"),
-                            "vocab_topk": r.get("vocab_topk"), "source": f"benchmarks/results/{path}"})
+                            "vocab_topk": r.get("vocab_topk"),
+                            "verify": "xqa" if (launcher, arm) in XQA_ARMS else "prefill path (offline)",
+                            "source": f"benchmarks/results/{path}"})
     return out
 
 
 def table(data: list[dict]) -> str:
-    lines = ["| launcher | arm | split | context | bound (ms) | measured (ms) | measured / bound |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| launcher | arm | split | verify on rank 1 | context | bound (ms) | measured (ms) | measured / bound |",
+             "|---|---|---|---|---|---|---|---|"]
     for x in data:
-        lines.append(f"| {x['launcher']} | {x['arm']} | {x['split'][0]}/{x['split'][1]} | {x['context']:,} | "
-                     f"{x['predicted_ms']:.1f} | {x['measured_ms']:.1f} | {x['measured_over_predicted']:.2f} |")
+        lines.append(f"| {x['launcher']} | {x['arm']} | {x['split'][0]}/{x['split'][1]} | {x['verify']} | "
+                     f"{x['context']:,} | {x['predicted_ms']:.1f} | {x['measured_ms']:.1f} | "
+                     f"{x['measured_over_predicted']:.2f} |")
     return "\n".join(lines)
 
 
