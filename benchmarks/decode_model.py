@@ -11,7 +11,11 @@ Qwen3.5 GDN and gated attention layers, one MTP layer) with dummy weights in the
 (fp8: block 128; w8a16: compressed-tensors int8 per channel; nvfp4: ModelOpt, weight-only
 kernels on SM 9.0; bf16: no quantization_config), its decoder cut to a few layers (``LAYOUTS``):
 p4 = 3 GDN + 1 attention (the reference's pattern), p16 = 12 + 4, g16 = 16 GDN (a4 = 4 attention,
-the alternative third arm should a GDN-only model not boot). The text model only
+the alternative third arm should a GDN-only model not boot; f64 = the whole decoder, 48 + 16).
+p4pp2 (not a default) is p4 under PP=2 through the plugin on the headline's virtual pair (split
+2/2, the plugin's zero-flag pool), run after its PP=1 twin: its step less p4's is what the
+pipeline adds to a step on that pair (the ``pipeline_ms`` entries among decode-model.json's
+fits), the term the PP=1 arms cannot give. The text model only
 (``language_model_only``), PP=1, vLLM's own executor, the launchers' serving flags: fp8 KV,
 prefix caching, max_model_len 262,144, --max-num-seqs 2 --max-num-batched-tokens 1024, and the
 drafter: MTP with 3 tokens, or none. (DFlash is not measured here: its drafter reads five target
@@ -29,8 +33,8 @@ drafter the fit of vllm_dualgpu/planner/decode_fit.py (ms per GDN layer, ms per 
 and fixed ms at each context, achieved GB/s on the planner's byte counts, the bandwidth
 fractions) and, with both drafters measured, the drafter's share of the fixed term; the card's
 read and copy bandwidth as ``vllm-dualgpu calibrate`` measures them (once per OUTDIR, ~10 s).
-An arm whose file exists is not run again (delete a failed arm's file to retry it). Not measured
-here: the pipeline hop and a second rank's own per-step cost (PP=1).
+An arm whose file exists is not run again (delete a failed arm's file to retry it). The PP=1
+arms do not measure the pipeline hop or a second rank's own per-step cost: p4pp2 does.
 
 Budget: measured on the H200 (benchmarks/results/2026-12-02-decode-model): a cold arm boots in
 ~250 s, ~107 s of it vLLM's first profile pass (compilation, Triton autotuning), and its three
@@ -81,8 +85,13 @@ DRAFTERS = ("mtp", "none")
 LAYOUTS = {"p4": (3, 1), "p16": (12, 4), "g16": (16, 0), "a4": (0, 4),  # (GDN, attention) layers
            # the whole reference decoder on one GPU, stock vLLM at PP=1: the baseline the PP=2 pair's
            # step is read against (its growth from 32K to 250K tokens, 2026-12-04); not a default
-           "f64": (48, 16)}
+           "f64": (48, 16),
+           # p4 under PP=2 on the virtual pair (the plugin, split 2/2): its step less p4's at PP=1 is
+           # what the pipeline adds to a step on that pair (the hops, two processes on one GPU)
+           "p4pp2": (3, 1)}
 DEFAULT_LAYOUTS = ("p4", "p16", "g16")
+#: the layouts that run under PP=2 on the virtual pair: their layer split and their PP=1 twin
+PAIR_LAYOUTS = {"p4pp2": ((2, 2), "p4")}
 CONTEXTS = {"short": hl.SHORT, "32k": hl.MID, "250k": hl.LONG}
 DECODE_TOKENS = 128
 REPEATS = 2
@@ -91,6 +100,15 @@ FIRST_ARM_S = 280  # --budget's guess at an arm before one has run (a cold boot 
 UTILIZATION = 0.3  # ~42 GiB of an H200: the largest arm (bf16, 16 layers) with room for 262,144 tokens
 UTILIZATION_BY_LAYOUT = {"f64": 0.5}  # ~70 GiB: 64 fp8 layers, head and embedding, 262,144 tokens of KV
 SKIP_KEYS = ("modules_to_not_convert", "ignore", "exclude_modules")  # fp8, w8a16, nvfp4
+
+
+def pair_env(layout: str) -> dict:
+    """A pair layout's environment: the headline's virtual pair (small card first), spawned
+    workers, and the layout's split; empty for a PP=1 layout."""
+    if layout not in PAIR_LAYOUTS:
+        return {}
+    split = PAIR_LAYOUTS[layout][0]
+    return {**hl.pair_env(hl.VIRTUAL), "VLLM_PP_LAYER_PARTITION": ",".join(map(str, split))}
 
 
 def layer_kinds(layout: str) -> list[str]:
@@ -138,13 +156,20 @@ class Arm:
     contexts: list[int]
     kwargs: dict
     reads: dict  # kind -> the planner's LayerRead of one layer of it, as a dict
+    env: dict = dataclasses.field(default_factory=dict)  # a pair layout's (pair_env)
 
 
-def arm_kwargs(model: Path, drafter: str, utilization: float = UTILIZATION) -> dict:
+def arm_kwargs(model: Path, drafter: str, utilization: float = UTILIZATION, pair: bool = False) -> dict:
+    """PP=1 on vLLM's own executor; ``pair``: the plugin at PP=2 on the virtual pair with zero
+    flags of its own (it sizes each virtual card's pool and turns FlashInfer's autotune off)."""
     # FlashInfer autotune off: the dualgpu executor turns it off for pipeline stages
     # (kernels/flashinfer.decide_flashinfer_autotune), and the model predicts those runs
     kw = {**hl.common_kwargs(model), "pipeline_parallel_size": 1, "language_model_only": True,
           "gpu_memory_utilization": utilization, "enable_flashinfer_autotune": False}
+    if pair:
+        kw.update(pipeline_parallel_size=2, distributed_executor_backend="dualgpu")
+        for k in ("gpu_memory_utilization", "enable_flashinfer_autotune"):
+            kw.pop(k)
     if drafter == "none":
         kw.pop("speculative_config")
     else:
@@ -171,7 +196,8 @@ def arm_specs(models: Path, formats=FORMATS, drafters=DRAFTERS, layouts=DEFAULT_
                 ctx = [min(contexts)] if FULL not in kinds else sorted(contexts)
                 arms.append(Arm(f"{fmt}-{drafter}-{layout}", fmt, drafter, layout,
                                 {k: kinds.count(k) for k in (LINEAR, FULL)}, ctx,
-                                arm_kwargs(model, drafter, UTILIZATION_BY_LAYOUT.get(layout, UTILIZATION)), reads))
+                                arm_kwargs(model, drafter, UTILIZATION_BY_LAYOUT.get(layout, UTILIZATION),
+                                           pair=layout in PAIR_LAYOUTS), reads, pair_env(layout)))
     order = {(f, d): i for i, (f, d) in enumerate((f, d) for f in formats for d in drafters)}
     return sorted(arms, key=lambda a: order[(a.fmt, a.drafter)])  # stable: layouts keep their order
 
@@ -210,7 +236,7 @@ def run_arm(arm: Arm, out: Path, limit: float) -> dict:
     progress.unlink(missing_ok=True)
     job = functools.partial(measure_decode, contexts=arm.contexts, deadline=time.time() + limit - 30,
                             progress=str(progress))
-    res = run_llm(arm.kwargs, job, log=log, timeout=limit)
+    res = run_llm(arm.kwargs, job, log=log, timeout=limit, env=arm.env or None)
     if "error" in res and progress.exists():  # cut by its limit (or failed) after booting
         res = {**json.loads(progress.read_text()), **res, "cut_after_boot": True}
     r = {**dataclasses.asdict(arm), **{k: v for k, v in res.items() if k != "log"}}
@@ -239,7 +265,8 @@ def summarize(results: list[dict], bandwidth_gbps: float, run: str) -> list[dict
     both drafters of a format measured, the drafter's share of the fixed term per context."""
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in results:
-        groups.setdefault((r["fmt"], r["drafter"]), []).append(r)
+        if r["layout"] not in PAIR_LAYOUTS:  # the layer fit is PP=1's
+            groups.setdefault((r["fmt"], r["drafter"]), []).append(r)
     fits = []
     for (fmt, drafter), rs in groups.items():
         f = {"format": fmt, "drafter": drafter, "arms": [r["name"] for r in rs]}
@@ -269,12 +296,29 @@ def summarize(results: list[dict], bandwidth_gbps: float, run: str) -> list[dict
         except ValueError as e:
             f["predicted_vs_measured"] = str(e)
         fits.append(f)
+    fits += pipeline_terms(results)
     by = {(f["format"], f["drafter"]): f for f in fits if "fixed_ms" in f}
     for (fmt, drafter), f in by.items():
         base = by.get((fmt, "none"))
         if drafter != "none" and base:
             f["drafter_ms"] = {c: ms - base["fixed_ms"][c] for c, ms in f["fixed_ms"].items() if c in base["fixed_ms"]}
     return fits
+
+
+def pipeline_terms(results: list[dict]) -> list[dict]:
+    """Per pair arm: what PP=2 on the virtual pair adds to a step at each context, its step less
+    its PP=1 twin's (the same model, format and drafter), where both were measured."""
+    by_name = {r["name"]: r for r in results}
+    out = []
+    for r in results:
+        if r["layout"] not in PAIR_LAYOUTS:
+            continue
+        twin = by_name.get(f"{r['fmt']}-{r['drafter']}-{PAIR_LAYOUTS[r['layout']][1]}")
+        pair, one = r.get("ms_per_step") or {}, (twin or {}).get("ms_per_step") or {}
+        out.append({"format": r["fmt"], "drafter": r["drafter"], "arm": r["name"],
+                    "pp1_arm": twin["name"] if twin else None, "split": list(PAIR_LAYOUTS[r["layout"]][0]),
+                    "pipeline_ms": {c: round(ms - one[c], 3) for c, ms in pair.items() if c in one}})
+    return out
 
 
 def save_all(out: Path, meta: dict) -> dict:
@@ -358,7 +402,7 @@ def main(argv=None) -> int:
     doc = save_all(out, meta)
     for f in doc["fits"]:
         print(json.dumps({k: f.get(k) for k in ("format", "drafter", "gdn_layer_ms", "attention_layer_ms", "fixed_ms",
-                                                "drafter_ms", "error")}), flush=True)
+                                                "drafter_ms", "arm", "pipeline_ms", "error")}), flush=True)
     return 0
 
 

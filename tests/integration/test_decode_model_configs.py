@@ -250,3 +250,58 @@ def test_an_arm_the_budget_left_unmeasured_is_run_again_while_one_its_own_limit_
     assert dm.cut_by_budget(killed, left=300, limit=600)
     assert not dm.cut_by_budget(whole, left=300, limit=600)
     assert not dm.cut_by_budget(booted_late, left=900, limit=600)  # its own limit: rerunning gives the same
+
+
+@pytest.fixture(scope="module")
+def pair_dry_run(tmp_path_factory):
+    """The pair layout (p4 under PP=2 on the virtual pair), as the shell runs it."""
+    tmp = tmp_path_factory.mktemp("decode-model-pair")
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_TARGET_DEVICE"}
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_model.py"), str(tmp / "out"), "--dry-run",
+                        "--models", str(tmp / "models"), "--formats", "fp8", "--drafters", "mtp",
+                        "--layouts", "p4,p4pp2"],
+                       check=False, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                       env={**env, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return {a["layout"]: a for a in json.loads(r.stdout)}
+
+
+def test_the_pair_arm_is_p4_under_the_plugin_on_the_virtual_pair(pair_dry_run, engine_config, monkeypatch):
+    """What PP=2 adds to a step on the virtual pair (the pipeline term of issue #26's model): the
+    same 4-layer model as p4, split 2/2 by the plugin on the headline's virtual cards, with zero
+    flags of the plugin's own; p4 itself stays PP=1 on vLLM's executor."""
+    one, pair = pair_dry_run["p4"], pair_dry_run["p4pp2"]
+    assert one["env"] == {} and one["kwargs"]["pipeline_parallel_size"] == 1
+    assert "distributed_executor_backend" not in one["kwargs"]
+    assert pair["layers"] == one["layers"] == {L: 3, F: 1}
+    assert pair["kwargs"]["model"] == one["kwargs"]["model"].replace("-p4", "-p4pp2")
+    assert pair["kwargs"]["pipeline_parallel_size"] == 2
+    assert pair["kwargs"]["distributed_executor_backend"] == "dualgpu"
+    assert "gpu_memory_utilization" not in pair["kwargs"] and "enable_flashinfer_autotune" not in pair["kwargs"]
+    assert pair["env"]["VLLM_PP_LAYER_PARTITION"] == "2,2"
+    assert pair["env"]["VLLM_DUALGPU_VIRTUAL_GPUS"] == dm.hl.VIRTUAL
+    assert pair["env"]["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+    # both build in vLLM: the pair with two stages and the split asked
+    for k, v in pair["env"].items():
+        monkeypatch.setenv(k, v)
+    cfg = engine_config(**pair["kwargs"], skip_tokenizer_init=True)
+    assert cfg.parallel_config.pipeline_parallel_size == 2
+    assert cfg.speculative_config.method == "mtp" and cfg.speculative_config.num_speculative_tokens == 3
+    assert list(cfg.model_config.hf_text_config.layer_types) == [L, L, L, F]
+
+
+def test_the_summary_gives_the_pipeline_term_of_each_pair_arm():
+    """p4 at PP=1: 4.6 / 5.6 ms at 64 / 250,000 tokens; p4 under PP=2 on the pair: 34.6 / 36.1 ms;
+    so the pipeline adds 30.0 / 30.5 ms. The pair arm stays out of the PP=1 layer fit; a pair arm
+    without its PP=1 twin gives no term."""
+    results = [arm("fp8-mtp-p4", P4, {64: 4.6, 250_000: 5.6}), arm("fp8-mtp-p16", P16, {64: 5.8, 250_000: 8.6}),
+               arm("fp8-mtp-g16", G16, {64: 5.8}), arm("fp8-mtp-p4pp2", P4, {64: 34.6, 250_000: 36.1}),
+               arm("w8a16-mtp-p4pp2", P4, {64: 40.0})]
+    fits = dm.summarize(results, 4800.0, "run-x")
+    terms = {f["arm"]: f for f in fits if "pipeline_ms" in f}
+    assert terms["fp8-mtp-p4pp2"]["pipeline_ms"] == pytest.approx({"64": 30.0, "250000": 30.5})
+    assert terms["fp8-mtp-p4pp2"]["pp1_arm"] == "fp8-mtp-p4" and terms["fp8-mtp-p4pp2"]["split"] == [2, 2]
+    assert terms["w8a16-mtp-p4pp2"] == {"format": "w8a16", "drafter": "mtp", "arm": "w8a16-mtp-p4pp2",
+                                        "pp1_arm": None, "split": [2, 2], "pipeline_ms": {}}
+    layer_fit = next(f for f in fits if f.get("format") == "fp8" and "gdn_layer_ms" in f)
+    assert "fp8-mtp-p4pp2" not in layer_fit["arms"] and layer_fit["points"] == 5
