@@ -64,22 +64,17 @@ def predicted_ms(launcher: str, split: list[int], context: int, tmp: Path) -> fl
     import dataclasses
 
     from vllm_dualgpu import planner as P
-    from vllm_dualgpu.cli import build_parser
     from vllm_dualgpu.cli import plan as cli_plan
 
     target = hl.reference_model(tmp, hl.QUANT[launcher], tokenizer=False)
     drafter = hl.drafter_model(tmp)
-    argv = ["plan", str(target), "--gpus", PAIR, "--max-model-len", str(hl.MAX_MODEL_LEN),
+    argv = [str(target), "--gpus", PAIR, "--max-model-len", str(hl.MAX_MODEL_LEN),
             "--kv-cache-dtype", "fp8", "--enable-prefix-caching", "--max-num-seqs", "2",
             "--max-num-batched-tokens", "1024", "--speculative-config", json.dumps(hl.speculative(launcher, drafter)),
             "--layer-partition", ",".join(map(str, split)), "--gpu-order", "0,1"]
-    args = build_parser().parse_args(argv)
-    args.kv_cache_dtype = args.kv_cache_dtype or "auto"
-    cfg, _ = cli_plan._read_config(str(target))
-    model = P.ModelSpec.from_hf_config(cfg, weight_format=args.weight_format)
-    gpus, _ = cli_plan._gpus(args, True)
-    request = dataclasses.replace(cli_plan.request_from_args(args, model, gpus), decode_context_tokens=context)
-    plan = P.fit(model, gpus, request).plan  # the arm's split and flags; whether it fits is not asked here
+    q = cli_plan.ask(argv)  # plan's own question
+    request = dataclasses.replace(q.request, decode_context_tokens=context)
+    plan = P.fit(q.model, q.gpus, request).plan  # the arm's split and flags; whether it fits is not asked here
     if plan.predicted_decode_ms is None:
         raise RuntimeError(f"{launcher} {split} at {context}: no prediction")
     return plan.predicted_decode_ms

@@ -22,7 +22,6 @@ from pathlib import Path
 import pytest
 from conftest import v2_runner_or_skip
 
-from vllm_dualgpu.cli import build_parser
 from vllm_dualgpu.cli import plan as cli_plan
 from vllm_dualgpu.engine import planning
 from vllm_dualgpu.patching.runtime import runtime_assumptions
@@ -57,12 +56,9 @@ CPU_PLATFORM = ["--mamba-ssm-cache-dtype", "float32"]
 
 
 def cli_request(model_dir, argv: list[str]):
-    args = build_parser().parse_args(["plan", str(model_dir), "--gpus", GPUS, *argv, *CPU_PLATFORM])
-    cfg, _ = cli_plan._read_config(str(model_dir))
-    model = ModelSpec.from_hf_config(cfg, quantization=args.quantization)
-    if args.kv_cache_dtype is None:
-        args.kv_cache_dtype = "auto"
-    return model, cli_plan.request_from_args(args, model, parse_gpus(GPUS))
+    """`plan`'s own question for these arguments (cli/plan.ask, what `plan` itself asks)."""
+    q = cli_plan.ask([str(model_dir), "--gpus", GPUS, *argv, *CPU_PLATFORM])
+    return q.model, q.request
 
 
 def executor_request(vllm_config):

@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import headline as hl  # noqa: E402  (pure: its GPU parts import torch only when they run)
 
 from vllm_dualgpu import planner as P  # noqa: E402
-from vllm_dualgpu.cli import build_parser, main  # noqa: E402
+from vllm_dualgpu.cli import main  # noqa: E402
 from vllm_dualgpu.cli import plan as cli_plan  # noqa: E402
 
 DOC = ROOT / "docs" / "planner.md"
@@ -82,12 +82,8 @@ def planned(launcher: str, tmp: Path) -> dict:
     printed = json.loads(out.getvalue())
     # the same question in-process (the CLI's request): the zero-flag split, or the split that
     # reaches the largest length that fits, and the GPU order
-    args = build_parser().parse_args(["plan", *args_])
-    args.kv_cache_dtype = args.kv_cache_dtype or "auto"
-    cfg, _ = cli_plan._read_config(str(target))
-    model = P.ModelSpec.from_hf_config(cfg, weight_format=args.weight_format)
-    gpus, _ = cli_plan._gpus(args, True)
-    request = cli_plan.request_from_args(args, model, gpus)
+    q = cli_plan.ask(args_)
+    model, gpus, request = q.model, q.gpus, q.request
     zero = P.fit(model, gpus, request)
     refusal = None
     if rc == 0:

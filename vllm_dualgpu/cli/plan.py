@@ -9,6 +9,7 @@ SUPER 16 GB + RTX 5090 32 GB pair. Imports neither vLLM nor torch; NVML only for
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -484,42 +485,75 @@ def _tp_lines(stages, ranks: list[dict]) -> str:
     return "\n".join(lines)
 
 
+@dataclasses.dataclass(frozen=True)
+class Question:
+    """What ``vllm-dualgpu plan`` asks the planner, built from its arguments: the model, the cards
+    (the machine profile's bandwidths applied), the request, and what the printout says about them.
+    Benchmarks and tests that must ask what ``plan`` asks build it with :func:`ask`."""
+
+    model: object  # planner.ModelSpec (with TP stages: one stage's)
+    gpus: list  # planner cards, in the order given (with TP stages: one stand-in a stage)
+    request: object  # planner.PlanRequest
+    notes: list
+    source: str  # the printout's "(...)": the config file, or the bundled reference
+    model_arg: str  # MODEL as the serve line writes it
+    stages: object  # cli TP stages, or None
+    profile: object  # machine_profile.Applied
+
+
+def question(args) -> Question:
+    """``plan``'s question from its parsed arguments; raises ``UsageError`` or ``PlanError`` with
+    the line ``plan`` prints."""
+    from vllm_dualgpu import planner as P
+
+    model_arg = args.model or args.model_opt
+    if model_arg and args.reference:
+        raise _Fail("give a model or --reference, not both")
+    if model_arg:
+        cfg, source = _read_config(model_arg)
+    else:
+        ref = args.reference or "qwen3.8-27b"
+        cfg = P.reference_config(ref)
+        source = f"bundled reference {ref}"
+        model_arg = REFERENCE_PLACEHOLDER
+        for k, v in ((cfg.get("_vllm_dualgpu") or {}).get("serve") or {}).items():
+            if getattr(args, k, None) is None:
+                setattr(args, k, v)
+    if args.kv_cache_dtype is None:
+        args.kv_cache_dtype = "auto"
+    model = P.ModelSpec.from_hf_config(cfg, weight_format=args.weight_format, quantization=args.quantization)
+    gpus, notes, profile = _cards(args, bool(args.model or args.model_opt))
+    notes += _support_notes()
+    req = request_from_args(args, model, gpus)
+    stages = _tp_stages(args, cfg, gpus, req)
+    if stages is not None:
+        model, gpus, req = stages.model, list(stages.cards), stages.request
+        notes += list(stages.notes)
+    return Question(model, gpus, req, notes, source, model_arg, stages, profile)
+
+
+def ask(argv: list[str]) -> Question:
+    """The question ``vllm-dualgpu plan ARGV...`` asks (``argv`` without the word ``plan``)."""
+    from vllm_dualgpu.cli import build_parser
+
+    return question(build_parser().parse_args(["plan", *argv]))
+
+
 def run(args) -> int:
     from vllm_dualgpu import planner as P
 
     try:
-        model_arg = args.model or args.model_opt
-        if model_arg and args.reference:
-            raise _Fail("give a model or --reference, not both")
-        if model_arg:
-            cfg, source = _read_config(model_arg)
-        else:
-            ref = args.reference or "qwen3.8-27b"
-            cfg = P.reference_config(ref)
-            source = f"bundled reference {ref}"
-            model_arg = REFERENCE_PLACEHOLDER
-            for k, v in ((cfg.get("_vllm_dualgpu") or {}).get("serve") or {}).items():
-                if getattr(args, k, None) is None:
-                    setattr(args, k, v)
-        if args.kv_cache_dtype is None:
-            args.kv_cache_dtype = "auto"
-        model = P.ModelSpec.from_hf_config(cfg, weight_format=args.weight_format, quantization=args.quantization)
-        gpus, notes, profile = _cards(args, bool(args.model or args.model_opt))
-        if profile.warning:
-            print(f"vllm-dualgpu plan: warning: {profile.warning}", file=sys.stderr)
-        notes += _support_notes()
-
-        req = request_from_args(args, model, gpus)
-        stages = _tp_stages(args, cfg, gpus, req)
-        if stages is not None:
-            model, gpus, req = stages.model, list(stages.cards), stages.request
-            notes += list(stages.notes)
+        q = question(args)
     except _Fail as e:
         print(f"vllm-dualgpu plan: {e}", file=sys.stderr)
         return 2
     except P.PlanError as e:
         print(f"vllm-dualgpu plan: {e}", file=sys.stderr)
         return 2 if isinstance(e, P.BadRequest) else 1
+    model, gpus, req, notes, source = q.model, q.gpus, q.request, q.notes, q.source
+    model_arg, stages, profile = q.model_arg, q.stages, q.profile
+    if profile.warning:
+        print(f"vllm-dualgpu plan: warning: {profile.warning}", file=sys.stderr)
 
     try:
         # with TP stages the cards are stand-ins for groups: no VLLM_DUALGPU_RESERVE value to name
