@@ -33,7 +33,7 @@ GPUS = "RTX 4070 Ti SUPER:16GiB,RTX 5090:32GiB"
 SAME = ("objective", "max_model_len", "kv_cache_dtype", "block_size", "max_num_seqs", "max_num_batched_tokens",
         "pp_size", "layer_partition", "num_gpu_blocks_override", "kv_cache_memory_bytes",
         "model_dtype", "enable_prefix_caching", "mamba_cache_dtype", "mamba_ssm_cache_dtype",
-        "enforce_eager", "vision_on_every_rank", "drafter_shares_embedding", "kv_grouping", "memory")
+        "enforce_eager", "vision_on_every_rank", "drafter_shares_embedding", "kv_grouping", "memory", "xqa")
 
 DENSE = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 2560,
@@ -150,6 +150,19 @@ def test_dense_command(dense_config):
     argv = ["--max-model-len", "32768", "--kv-cache-dtype", "fp8", "--max-num-seqs", "8",
             "--max-num-batched-tokens", "4096"]
     assert_same(cli_request(d, argv), executor_request(make(argv)))
+
+
+def test_attention_config_without_xqa(dense_config):
+    """vLLM's use_trtllm_attention=false reaches both questions (no XQA workspace is planned)."""
+    d, make = dense_config
+    argv = ["--max-model-len", "32768", "--kv-cache-dtype", "fp8", "--max-num-seqs", "8",
+            "--max-num-batched-tokens", "4096"]
+    off = '{"use_trtllm_attention": false}'
+    cli = cli_request(d, argv + ["--attention-config", off])
+    ex = executor_request(make(argv, attention_config={"use_trtllm_attention": False}))
+    assert cli[1].xqa is False and ex[1].xqa is False
+    assert_same(cli, ex)
+    assert cli_request(d, argv)[1].xqa is True and executor_request(make(argv))[1].xqa is True
 
 
 def test_eagle3_command(dense_config, tmp_path_factory):

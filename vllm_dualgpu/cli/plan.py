@@ -111,6 +111,9 @@ def add_parser(sub) -> None:
     p.add_argument("--max-num-seqs", type=int, help="default: vLLM's default for device 0")
     p.add_argument("--max-num-batched-tokens", type=_human_int, help="default: vLLM's default for device 0")
     p.add_argument("--speculative-config", type=_json_dict, help="JSON, as for vllm serve")
+    p.add_argument("-ac", "--attention-config", type=_json_dict,
+                   help="JSON, as for vllm serve; the plan reads use_trtllm_attention (false: no FlashInfer XQA "
+                        "decode, so no XQA workspace on an SM 9.0 / 12.x card)")
     p.add_argument("-pp", "--pipeline-parallel-size", type=int, help="default: the number of GPUs")
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
                    help="TP group size of each pipeline stage (cards of one kind; default 1)")
@@ -280,6 +283,8 @@ def _serve_command(model_arg: str, p, args, objective_env: str | None = None) ->
     if args.speculative_config:
         spec = {k: v for k, v in args.speculative_config.items() if k != "draft_config"}
         parts.append(f"--speculative-config {q(json.dumps(spec))}")
+    if args.attention_config:
+        parts.append(f"--attention-config {q(json.dumps(args.attention_config))}")
     for flag, value in (
         ("--block-size", args.block_size),
         ("--max-num-seqs", args.max_num_seqs),
@@ -417,6 +422,7 @@ def request_from_args(args, model, gpus):
         enforce_eager=args.enforce_eager,
         language_model_only=args.language_model_only,
         allow_long_max_model_len=allow_long_max_model_len(),
+        xqa=(args.attention_config or {}).get("use_trtllm_attention") is not False,
         **runtime,
     )
 

@@ -82,6 +82,7 @@ def plan_request(vllm_config, user_partition: list[int] | None):
         mamba_ssm_cache_dtype=str(getattr(cc, "mamba_ssm_cache_dtype", "auto")),
         enforce_eager=bool(mc.enforce_eager),
         allow_long_max_model_len=envs.allow_long_max_model_len(),
+        xqa=getattr(getattr(vllm_config, "attention_config", None), "use_trtllm_attention", None) is not False,
         # What the registry's patches (or vLLM itself) make the ranks hold on this release;
         # `vllm-dualgpu plan` asks the same function.
         **runtime_assumptions().request_fields(),
@@ -279,7 +280,7 @@ def _handoff(result, ranked: list[VisibleGpu], user_partition, stages=None,
     for rank, ((stage, tp_rank, card), g) in enumerate(zip(placed, ranked)):
         r = result.ranks[stage]
         context = r.fixed_detail.get("cuda_context", 0)
-        after = r.reserve_detail.get("flashinfer_workspace", 0)
+        after = r.reserve_detail.get("flashinfer_workspace", 0) + r.reserve_detail.get("xqa_workspace", 0)
         ranks.append(handoff.RankRecord(
             rank=rank,
             physical_gpu_id=g.physical_id,

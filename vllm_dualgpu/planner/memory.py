@@ -160,6 +160,26 @@ def attention_uses_flashinfer(kv_cache_dtype: str, capabilities) -> bool:
     return any(c[0] == 10 for c in known)
 
 
+def xqa_decode(kv_cache_dtype: str, capability, model: ModelSpec) -> bool:
+    """Whether a rank of this capability that runs the target's attention on FlashInfer decodes
+    through FlashInfer's XQA kernels, and so holds vLLM's second workspace, the "trtllm" one
+    (``_get_trtllm_workspace_buffer`` in v1/attention/backends/flashinfer.py, vLLM 0.30-0.34: a
+    buffer of VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE bytes, not grown to the batch, allocated at the
+    first XQA call, after the KV cache is sized). vLLM takes XQA for decode on SM 9.0 and SM 12.x
+    (``supports_trtllm_attention``) where FlashInfer's cubins or NVIDIA's artifactory are at hand,
+    and the dualgpu worker also where FlashInfer can build it (patch ``flashinfer-xqa-offline``);
+    with query heads a multiple of the KV heads, a head size of 16-256 in steps of 16
+    (``_is_xqa_head_dim_supported``, vLLM 0.33-0.34), and not for an NVFP4 cache on SM 9.0 (FA2 reads
+    it there). An unknown capability counts as XQA (the larger reserve)."""
+    cap = tuple(capability) if capability is not None else None
+    if cap is not None and not (cap == (9, 0) or cap[0] == 12):
+        return False
+    if str(kv_cache_dtype).startswith("nvfp4") and cap is not None and cap[0] == 9:
+        return False
+    heads, kv_heads, head_dim = model.num_attention_heads, model.num_kv_heads, model.head_dim
+    return bool(kv_heads) and heads % kv_heads == 0 and 16 <= head_dim <= 256 and head_dim % 16 == 0
+
+
 def drafter_attention_backend(speculative: dict | None, target_flashinfer: bool) -> str | None:
     """The drafter's attention backend under the dualgpu executor, by name: the user's
     (``speculative_config.attention_backend``); else TRITON_ATTN for a DFlash drafter whose target

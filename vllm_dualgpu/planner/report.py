@@ -22,6 +22,7 @@ _RESERVE_LABELS = {
     "vision_encoder": "  vision encoder pass",
     "workspaces": "  workspaces",
     "flashinfer_workspace": "  FlashInfer workspaces",
+    "xqa_workspace": "  FlashInfer XQA workspace",
     "cuda_graphs": "  CUDA graphs",
     "pp_comms": "  NCCL buffers (pipeline)",
     "pp_receive": "  received batch (pipeline)",

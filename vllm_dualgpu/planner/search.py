@@ -39,6 +39,7 @@ from vllm_dualgpu.planner.memory import (
     flashinfer_workspace_size,
     received_tensor_bytes,
     runtime_reserve,
+    xqa_decode,
 )
 from vllm_dualgpu.planner.model import DrafterSpec, ModelSpec
 from vllm_dualgpu.planner.objective import (
@@ -97,6 +98,9 @@ class PlanRequest:
     allow_long_max_model_len: bool = False
     """vLLM's ``VLLM_ALLOW_LONG_MAX_MODEL_LEN`` as the caller read it: a --max-model-len above
     the model's maximum is then accepted (the planner reads no environment)."""
+    xqa: bool = True
+    """FlashInfer may decode through XQA on an SM 9.0 / 12.x rank (memory.xqa_decode), which then
+    holds a second workspace; False: ``--attention-config '{"use_trtllm_attention": false}'``."""
     memory: MemoryModel = field(default_factory=MemoryModel)
 
     def to_dict(self) -> dict:
@@ -463,6 +467,11 @@ class _Context:
         self.drafter_backend = drafter_attention_backend(request.speculative, self.flashinfer and pp > 1)
         self.drafter_flashinfer = bool(self.flashinfer and self.drafter is not None and self.drafter.kv_layers
                                        and self.drafter_backend in (None, "FLASHINFER"))
+        # vLLM's second FlashInfer buffer on a rank that decodes through XQA (memory.xqa_decode): the
+        # configured workspace size, one per process (the drafter's attention shares it)
+        self.xqa_workspace = configured_flashinfer_workspace(
+            model, max_num_seqs=self.max_num_seqs, decode_query_len=self.decode_query_len, mm=mm) \
+            if self.flashinfer else 0
 
         # Prefix sums over the decoder layers: layers [start, end) cost x[end] - x[start].
         L = model.num_layers
@@ -582,10 +591,17 @@ class _Context:
             return 0
         return bisect.bisect_right(self.aux_layers, start) * self.aux_tensor_bytes
 
+    def xqa_bytes(self, gpu) -> int:
+        """The XQA workspace the rank on ``gpu`` holds (0 where it does not decode through XQA)."""
+        if not self.xqa_workspace or not self.request.xqa or not xqa_decode(self.request.kv_cache_dtype, gpu.capability, self.model):
+            return 0
+        return self.xqa_workspace
+
     def rank_cost(self, start: int, end: int, first: bool, last: bool, decode_tokens: int,
-                  kv: KVLayout | None = None) -> RankCost:
-        """What the rank holding decoder layers [start, end) pays, in its pipeline role, its KV
-        cache priced with ``kv`` (the context's layout when None)."""
+                  kv: KVLayout | None = None, gpu=None) -> RankCost:
+        """What the rank holding decoder layers [start, end) pays, in its pipeline role, on ``gpu``
+        (its XQA workspace; None: none), its KV cache priced with ``kv`` (the context's layout when
+        None)."""
         role = (first, last)
         read = (self.read_prefix[end] - self.read_prefix[start]
                 + decode_tokens * (self.kv_token_prefix[end] - self.kv_token_prefix[start])
@@ -596,7 +612,8 @@ class _Context:
         return RankCost(
             weights_bytes=self.weight_prefix[end] - self.weight_prefix[start],
             fixed_bytes=self.fixed_sum[role],
-            runtime_reserve_bytes=self.reserve_sum[role] + self.aux_receive_bytes(start, first),
+            runtime_reserve_bytes=(self.reserve_sum[role] + self.aux_receive_bytes(start, first)
+                                   + (self.xqa_bytes(gpu) if gpu is not None else 0)),
             kv_bytes_per_block=(kv or self.kv).bytes_per_block(start, end, last),
             decode_read_bytes=read,
         )
@@ -662,7 +679,8 @@ def _evaluate(ctx: _Context, order: tuple[int, ...], partition: tuple[int, ...],
     gpus = [ctx.gpus[i] for i in order]
     # the KV budget (and decode reads) of each rank do not depend on the KV grouping; its grouping
     # depends on them (on --kv-cache-memory-bytes instead where set: vLLM then skips its profile)
-    costs = [ctx.rank_cost(a, b, r == 0, r == pp - 1, decode_tokens) for r, (a, b) in enumerate(bounds)]
+    costs = [ctx.rank_cost(a, b, r == 0, r == pp - 1, decode_tokens, gpu=g)
+             for r, ((a, b), g) in enumerate(zip(bounds, gpus))]
     budgets = [cost.kv_budget(g.budget_bytes) for cost, g in zip(costs, gpus)]
     kv = ctx.layout_for(order, partition, budgets if req.kv_cache_memory_bytes is None
                         else [req.kv_cache_memory_bytes] * pp)
@@ -703,9 +721,10 @@ def _rank_plans(ctx: _Context, c: _Candidate, decode_tokens: int) -> list[RankPl
         end = start + n
         first, last = r == 0, r == pp - 1
         gpu = ctx.gpus[c.order[r]]
-        cost = ctx.rank_cost(start, end, first, last, decode_tokens, c.kv)
+        cost = ctx.rank_cost(start, end, first, last, decode_tokens, c.kv, gpu=gpu)
         weights, fixed, reserve = cost.weights_bytes, cost.fixed_bytes, cost.runtime_reserve_bytes
         aux = ctx.aux_receive_bytes(start, first)  # in ``reserve``; itemised below
+        xqa = ctx.xqa_bytes(gpu)  # likewise
         kv_alloc = c.num_blocks * c.bpb[r]
         read, ms = cost.decode_read_bytes, cost.decode_ms(gpu.bandwidth_gbps)
         out.append(
@@ -725,7 +744,8 @@ def _rank_plans(ctx: _Context, c: _Candidate, decode_tokens: int) -> list[RankPl
                 kv_budget_bytes=c.kv_budget[r],
                 kv_cache_bytes=kv_alloc,
                 fixed_detail=dict(ctx.fixed[(first, last)]),
-                reserve_detail={**ctx.reserve[(first, last)], **({"pp_receive_aux": aux} if aux else {})},
+                reserve_detail={**ctx.reserve[(first, last)], **({"pp_receive_aux": aux} if aux else {}),
+                                **({"xqa_workspace": xqa} if xqa else {})},
                 decode_read_bytes=read,
             )
         )
@@ -1175,7 +1195,7 @@ def stock_estimate(
             charged = (ctx.reserve_sum[(first, last)] - ctx.reserve[(first, last)].get("pp_comms", 0)
                        - ctx.reserve[(first, last)].get("flashinfer_workspace", 0)
                        - ctx.reserve[(first, last)].get("pp_receive", 0))
-            cost = ctx.rank_cost(start, end, first, last, 0)
+            cost = ctx.rank_cost(start, end, first, last, 0)  # no XQA workspace: vLLM allocates it later too
             avail = requested - fixed - cost.weights_bytes - charged
             bpb = cost.kv_bytes_per_block
             if request.num_gpu_blocks_override is not None:

@@ -302,7 +302,9 @@ def test_flashinfer_workspaces_come_off_the_budget_vllm_sizes_the_kv_cache_from(
     off the budget it hands vLLM, and vLLM's charges are predicted without it. Its size is what
     vLLM allocates: the configured size (the user's 128 MiB here) grown to vLLM's estimate for the
     batch, max_num_batched_tokens x query heads x head size x 16 bytes
-    (FlashInferMetadataBuilder._get_workspace_buffer)."""
+    (FlashInferMetadataBuilder._get_workspace_buffer). The RTX 5090 rank (SM 12.0) decodes
+    through XQA and holds a second buffer of the configured size, not grown
+    (_get_trtllm_workspace_buffer): 128 MiB more there."""
     gpus = [VisibleGpu(0, "NVIDIA GeForce RTX 4070 Ti SUPER", 16 * GiB, 16 * GiB, (8, 9), 672.0, "GPU-a"),
             VisibleGpu(1, "NVIDIA GeForce RTX 5090", 32 * GiB, 32 * GiB, (12, 0), 1792.0, "GPU-b")]
     monkeypatch.setattr(apply, "read_visible_gpus", lambda: gpus)
@@ -314,10 +316,12 @@ def test_flashinfer_workspaces_come_off_the_budget_vllm_sizes_the_kv_cache_from(
         cfg = make_config(kv_cache_dtype="fp8", max_num_batched_tokens=tokens)
         applied = apply.apply_plan(cfg)
         records = handoff.load(cfg).ranks
-        assert [r.after_profile_bytes for r in records] == [expected, expected], tokens
-        for r, rec in zip(applied.plan.ranks, records):
+        xqa = [0, 128 * 2**20]  # the 4070 (SM 8.9), the 5090 (SM 12.0), in rank order
+        assert [r.gpu_name for r in records] == ["NVIDIA GeForce RTX 4070 Ti SUPER", "NVIDIA GeForce RTX 5090"]
+        assert [r.after_profile_bytes for r in records] == [expected + x for x in xqa], tokens
+        for r, rec, x in zip(applied.plan.ranks, records, xqa):
             assert rec.predicted_non_kv_bytes == (r.budget_bytes - r.kv_budget_bytes - r.fixed_detail["cuda_context"]
-                                                  - expected)
+                                                  - expected - x)
     bf16 = make_config()
     apply.apply_plan(bf16)
     assert [r.after_profile_bytes for r in handoff.load(bf16).ranks] == [0, 0]
@@ -341,7 +345,9 @@ def test_the_executor_sets_flashinfers_workspace_where_the_user_did_not(make_con
     assert exported is not None and 0 < int(exported) == first.flashinfer_workspace_bytes < 394 * 2**20
     # the worker takes what vLLM will allocate off its budget: the export, grown to vLLM's estimate
     est = 1024 * Q14_FP8["num_attention_heads"] * Q14_FP8["head_dim"] * 16
-    assert [r.after_profile_bytes for r in handoff.load(cfg).ranks] == [max(int(exported), est)] * 2
+    # (and the RTX 5090 rank, SM 12.0, XQA's buffer of the exported size, not grown)
+    assert [r.after_profile_bytes for r in handoff.load(cfg).ranks] == [max(int(exported), est),
+                                                                        max(int(exported), est) + int(exported)]
     again = apply.apply_plan(make_config(kv_cache_dtype="fp8", max_num_batched_tokens=1024)).plan
     assert again.flashinfer_workspace_bytes == first.flashinfer_workspace_bytes  # not the user's value
     apply.apply_plan(make_config())  # bf16 KV: no rank runs FlashInfer
@@ -350,4 +356,4 @@ def test_the_executor_sets_flashinfers_workspace_where_the_user_did_not(make_con
     user_cfg = make_config(kv_cache_dtype="fp8", max_num_batched_tokens=1024)
     assert apply.apply_plan(user_cfg).plan.flashinfer_workspace_bytes == 0
     assert os.environ["VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE"] == str(200 * 2**20)
-    assert [r.after_profile_bytes for r in handoff.load(user_cfg).ranks] == [200 * 2**20] * 2
+    assert [r.after_profile_bytes for r in handoff.load(user_cfg).ranks] == [200 * 2**20, 400 * 2**20]

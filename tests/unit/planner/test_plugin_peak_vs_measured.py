@@ -42,6 +42,11 @@ ARMS = {  # launcher: (arm files, context, weight format, speculative config, ra
 }
 
 
+# These runs decoded without FlashInfer's XQA on the SM 9.0 rank (offline, before the patch
+# flashinfer-xqa-offline), so that rank held no XQA workspace: vLLM's own switch says the same.
+NO_XQA = ["--attention-config", '{"use_trtllm_attention": false}']
+
+
 @pytest.fixture(autouse=True)
 def vllms_default_workspace(monkeypatch):
     """These runs (2026-12-02) had vLLM's default FlashInfer workspace, 394 MiB: the executor did
@@ -69,7 +74,8 @@ def planned(launcher: str, write_config) -> dict:
     with contextlib.redirect_stdout(out):
         rc = main(["plan", str(target), "--gpus", PAIR, "--max-model-len", str(context),
                    "--kv-cache-dtype", "fp8", "--enable-prefix-caching", "--max-num-seqs", "2",
-                   "--max-num-batched-tokens", "1024", "--speculative-config", json.dumps(spec), *fmt, "--json"])
+                   "--max-num-batched-tokens", "1024", "--speculative-config", json.dumps(spec), *fmt, *NO_XQA,
+                   "--json"])
     assert rc == 0, out.getvalue()
     return json.loads(out.getvalue())["plan"]
 
