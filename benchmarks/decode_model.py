@@ -164,12 +164,11 @@ def arm_kwargs(model: Path, drafter: str, utilization: float = UTILIZATION, pair
     flags of its own (it sizes each virtual card's pool and turns FlashInfer's autotune off)."""
     # FlashInfer autotune off: the dualgpu executor turns it off for pipeline stages
     # (kernels/flashinfer.decide_flashinfer_autotune), and the model predicts those runs
-    kw = {**hl.common_kwargs(model), "pipeline_parallel_size": 1, "language_model_only": True,
-          "gpu_memory_utilization": utilization, "enable_flashinfer_autotune": False}
+    kw = {**hl.common_kwargs(model), "language_model_only": True}  # PP=2, as the headline's arms
     if pair:
-        kw.update(pipeline_parallel_size=2, distributed_executor_backend="dualgpu")
-        for k in ("gpu_memory_utilization", "enable_flashinfer_autotune"):
-            kw.pop(k)
+        kw["distributed_executor_backend"] = "dualgpu"
+    else:
+        kw.update(pipeline_parallel_size=1, gpu_memory_utilization=utilization, enable_flashinfer_autotune=False)
     if drafter == "none":
         kw.pop("speculative_config")
     else:

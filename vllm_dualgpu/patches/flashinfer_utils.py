@@ -42,8 +42,10 @@ def jit_can_build(module) -> bool:
 
 def xqa_sm(module) -> str | None:
     """The current device's capability ("9.0", "12.0") when it is one that decodes with XQA."""
+    from vllm_dualgpu.planner.memory import xqa_capability
+
     cap = module.current_platform.get_device_capability()  # the rank's own (capability-per-rank)
-    if cap is None or not (cap.to_int() == 90 or cap.to_int() // 10 == 12):
+    if cap is None or not xqa_capability((cap.major, cap.minor)):
         return None
     return cap.as_version_str()
 

@@ -160,6 +160,13 @@ def attention_uses_flashinfer(kv_cache_dtype: str, capabilities) -> bool:
     return any(c[0] == 10 for c in known)
 
 
+def xqa_capability(capability) -> bool:
+    """SM 9.0 or SM 12.x: the capabilities on which vLLM's FlashInfer backend decodes through XQA
+    (``supports_trtllm_attention``, vLLM 0.30-0.34); also asked by the patch flashinfer-xqa-offline."""
+    major, minor = tuple(capability)
+    return (major, minor) == (9, 0) or major == 12
+
+
 def xqa_decode(kv_cache_dtype: str, capability, model: ModelSpec) -> bool:
     """Whether a rank of this capability that runs the target's attention on FlashInfer decodes
     through FlashInfer's XQA kernels, and so holds vLLM's second workspace, the "trtllm" one
@@ -172,7 +179,7 @@ def xqa_decode(kv_cache_dtype: str, capability, model: ModelSpec) -> bool:
     (``_is_xqa_head_dim_supported``, vLLM 0.33-0.34), and not for an NVFP4 cache on SM 9.0 (FA2 reads
     it there). An unknown capability counts as XQA (the larger reserve)."""
     cap = tuple(capability) if capability is not None else None
-    if cap is not None and not (cap == (9, 0) or cap[0] == 12):
+    if cap is not None and not xqa_capability(cap):
         return False
     if str(kv_cache_dtype).startswith("nvfp4") and cap is not None and cap[0] == 9:
         return False

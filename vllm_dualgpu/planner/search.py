@@ -468,10 +468,11 @@ class _Context:
         self.drafter_flashinfer = bool(self.flashinfer and self.drafter is not None and self.drafter.kv_layers
                                        and self.drafter_backend in (None, "FLASHINFER"))
         # vLLM's second FlashInfer buffer on a rank that decodes through XQA (memory.xqa_decode): the
-        # configured workspace size, one per process (the drafter's attention shares it)
+        # configured workspace size, one per process (the drafter's attention shares it); none where
+        # the user turned XQA off
         self.xqa_workspace = configured_flashinfer_workspace(
             model, max_num_seqs=self.max_num_seqs, decode_query_len=self.decode_query_len, mm=mm) \
-            if self.flashinfer else 0
+            if self.flashinfer and request.xqa else 0
 
         # Prefix sums over the decoder layers: layers [start, end) cost x[end] - x[start].
         L = model.num_layers
@@ -593,7 +594,7 @@ class _Context:
 
     def xqa_bytes(self, gpu) -> int:
         """The XQA workspace the rank on ``gpu`` holds (0 where it does not decode through XQA)."""
-        if not self.xqa_workspace or not self.request.xqa or not xqa_decode(self.request.kv_cache_dtype, gpu.capability, self.model):
+        if not self.xqa_workspace or not xqa_decode(self.request.kv_cache_dtype, gpu.capability, self.model):
             return 0
         return self.xqa_workspace
 
