@@ -72,27 +72,50 @@ def allow_long_max_model_len() -> bool:
     return os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").strip().lower() in ("1", "true")
 
 
+class ExportedVariable:
+    """A vLLM environment variable the executor exports for the workers it is about to spawn (they
+    inherit it), told apart from the user's own value: a value this process exported is never taken
+    back as the user's (with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` a second ``LLM(...)`` runs in the
+    same process, sees the first run's export, and must plan afresh), and the user's own value is
+    never overwritten."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.exported: str | None = None
+        """The value this process last exported, or None."""
+
+    def users_text(self) -> str | None:
+        """The user's own value, or None (unset, blank, or this process's export)."""
+        text = os.environ.get(self.name)
+        if text is None or not text.strip() or text == self.exported:
+            return None
+        return text
+
+    def export(self, text: str | None) -> None:
+        """Export ``text`` where the user set no value of their own; None (or "") takes back an
+        earlier export (vLLM's default then applies), leaving a user's own value alone."""
+        if text and self.users_text() is None:
+            self.exported = text
+            os.environ[self.name] = text
+            return
+        if self.exported is not None and os.environ.get(self.name) == self.exported:
+            del os.environ[self.name]
+        self.exported = None
+
+    def forget(self) -> None:
+        """Forget the export without touching the environment (tests that restore it)."""
+        self.exported = None
+
+
 FLASHINFER_WORKSPACE = "VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE"
-_workspace_exported: str | None = None
-"""The value this process last exported as FLASHINFER_WORKSPACE, or None."""
+WORKSPACE = ExportedVariable(FLASHINFER_WORKSPACE)
 
 
 def export_flashinfer_workspace(size_bytes: int) -> None:
     """The executor's ``VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE``, read by vLLM in every worker that
-    runs FlashInfer (``FlashInferMetadataBuilder._get_workspace_buffer``; the workers inherit it):
-    the plan's size where the user did not set it, exported before the workers spawn. 0 takes an
-    earlier export back (vLLM's default then applies), leaving a user's own value alone. As with the
-    layer split (engine/partition.py), a value this process exported is never taken back as the
-    user's by a second ``LLM(...)`` in the same process."""
-    global _workspace_exported
-    if size_bytes > 0 and flashinfer_workspace_bytes() is None and (
-            os.environ.get(FLASHINFER_WORKSPACE) in (None, _workspace_exported)):
-        _workspace_exported = str(int(size_bytes))
-        os.environ[FLASHINFER_WORKSPACE] = _workspace_exported
-        return
-    if _workspace_exported is not None and os.environ.get(FLASHINFER_WORKSPACE) == _workspace_exported:
-        del os.environ[FLASHINFER_WORKSPACE]
-    _workspace_exported = None
+    runs FlashInfer (``FlashInferMetadataBuilder._get_workspace_buffer``): the plan's size where the
+    user did not set it, exported before the workers spawn; 0 takes an earlier export back."""
+    WORKSPACE.export(str(int(size_bytes)) if size_bytes > 0 else None)
 
 
 def flashinfer_workspace_bytes() -> int | None:
@@ -100,9 +123,7 @@ def flashinfer_workspace_bytes() -> int | None:
     workspace FlashInfer's attention allocates on each rank that runs it; None when unset (a dualgpu
     run then sets its own size, :func:`export_flashinfer_workspace`), set by the executor itself, or not a
     number vLLM reads (vLLM then fails on it with its own error)."""
-    text = os.environ.get(FLASHINFER_WORKSPACE)
-    if text == _workspace_exported:  # the executor's own export is not the user's
-        text = None
+    text = WORKSPACE.users_text()
     try:
         return int(text) if text is not None else None
     except ValueError:

@@ -37,7 +37,7 @@ def sandbox(tmp_path: Path, monkeypatch, config: dict, sub: str = ""):
     yield folder
     os.environ.clear()
     os.environ.update(saved)
-    partition._exported = None
+    partition.PARTITION.forget()
 
 
 def forget_the_split() -> None:
@@ -45,7 +45,7 @@ def forget_the_split() -> None:
     from vllm_dualgpu.engine import partition
 
     os.environ.pop("VLLM_PP_LAYER_PARTITION", None)
-    partition._exported = None
+    partition.PARTITION.forget()
 
 
 def executor_plan(model_dir, monkeypatch, serve: dict, seen: list):

@@ -357,7 +357,7 @@ def test_dflash_plan_on_the_virtual_pair(engine_config, dflash_dirs, monkeypatch
         log.setLevel(level)
         os.environ.clear()
         os.environ.update(saved)
-        partition._exported = None
+        partition.PARTITION.forget()
     plan = applied.plan
     assert plan.partition == gm.DFLASH_SPLIT and cfg.parallel_config.assigned_physical_gpu_ids == [0, 0]
     assert [g.capability for g in applied.gpus] == [(8, 9), (9, 0)]  # the drafter's rank presents SM 9.0

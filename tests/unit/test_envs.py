@@ -1,5 +1,7 @@
 """Environment variables: sizes, reserves, partitions, each malformed value a clear error."""
 
+import os
+
 import pytest
 
 from vllm_dualgpu import envs
@@ -70,3 +72,24 @@ def test_objective_unset_is_speed(monkeypatch, value, expected):
     else:
         monkeypatch.setenv(envs.OBJECTIVE, value)
     assert envs.objective() == expected
+
+
+def test_an_exported_variable_is_told_apart_from_the_users(monkeypatch):
+    """The executor's export (the split, FlashInfer's workspace) is not taken back as the user's by
+    a second plan in the same process; the user's own value is never overwritten nor removed."""
+    name = "VLLM_DUALGPU_TEST_EXPORTED"
+    monkeypatch.delenv(name, raising=False)
+    var = envs.ExportedVariable(name)
+    var.export("20,44")
+    assert os.environ[name] == "20,44" and var.users_text() is None
+    var.export("16,48")  # a second plan replaces its own export
+    assert os.environ[name] == "16,48"
+    var.export(None)  # and takes it back
+    assert name not in os.environ and var.exported is None
+    monkeypatch.setenv(name, "13,51")
+    var.export("16,48")
+    assert os.environ[name] == "13,51" and var.users_text() == "13,51"
+    var.export(None)
+    assert os.environ[name] == "13,51"
+    monkeypatch.setenv(name, "  ")  # blank is no value of the user's
+    assert var.users_text() is None

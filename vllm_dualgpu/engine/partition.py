@@ -8,30 +8,18 @@ the same process, sees the first plan's value in the environment, and must plan 
 
 from __future__ import annotations
 
-import os
+from vllm_dualgpu.envs import ExportedVariable
 
 PARTITION_ENV = "VLLM_PP_LAYER_PARTITION"
-
-_exported: str | None = None
-"""The value this process last exported, or None."""
+PARTITION = ExportedVariable(PARTITION_ENV)
 
 
 def users_partition_text() -> str | None:
     """The user's own VLLM_PP_LAYER_PARTITION, or None (unset, empty, or the plugin's export)."""
-    text = os.environ.get(PARTITION_ENV)
-    if text is None or not text.strip() or text == _exported:
-        return None
-    return text
+    return PARTITION.users_text()
 
 
 def export(partition) -> None:
     """Export the planned split for the workers; None takes back an earlier export (vLLM then
     splits evenly), leaving a user's own value alone."""
-    global _exported
-    if partition:
-        _exported = ",".join(str(n) for n in partition)
-        os.environ[PARTITION_ENV] = _exported
-        return
-    if _exported is not None and os.environ.get(PARTITION_ENV) == _exported:
-        del os.environ[PARTITION_ENV]
-    _exported = None
+    PARTITION.export(",".join(str(n) for n in partition) if partition else None)

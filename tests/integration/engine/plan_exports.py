@@ -17,4 +17,4 @@ def restore_environ():
     yield
     os.environ.clear()
     os.environ.update(saved)
-    partition._exported = None
+    partition.PARTITION.forget()

@@ -69,7 +69,7 @@ def clean_environ(monkeypatch):
     yield
     os.environ.clear()
     os.environ.update(saved)
-    partition._exported = None
+    partition.PARTITION.forget()
 
 
 def visible(monkeypatch, gpus):
