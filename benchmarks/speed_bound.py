@@ -49,11 +49,13 @@ MEASURED = [
     ("fp8-mtp", "at-expert-graphs", "2026-12-04-headline-virtual-run12/hl/headline/arms/fp8-mtp_at-expert-graphs.json"),
     ("fp8-mtp", "at-expert-graphs-xqa",
      "2026-12-04-headline-virtual-run12/hl-cubin/headline/arms/fp8-mtp_at-expert-graphs.json"),
+    ("fp8-dflash2", "plugin-xqa", "2026-12-04-headline-virtual-run13/hl/headline/arms/fp8-dflash2_plugin.json"),
 ]
 #: arms whose SM 9.0 rank verified the draft tokens through FlashInfer's XQA decode (the twelfth run's
-#: queue line set VLLM_HAS_FLASHINFER_CUBIN=1); every other arm ran vLLM's offline path, which
-#: verifies them as prefills without a KV split on that rank (docs/benchmarks.md, "Twelfth run")
-XQA_ARMS = {("fp8-mtp", "at-expert-graphs-xqa")}
+#: queue line set VLLM_HAS_FLASHINFER_CUBIN=1; from the thirteenth run the executor's patch
+#: flashinfer-xqa-offline); every other arm ran vLLM's offline path, which verifies them as
+#: prefills without a KV split on that rank (docs/benchmarks.md, "Twelfth run")
+XQA_ARMS = {("fp8-mtp", "at-expert-graphs-xqa"), ("fp8-dflash2", "plugin-xqa")}
 KEYS = {"short": "short", "mid": "32k", "long": "250k"}
 
 

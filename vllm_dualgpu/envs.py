@@ -72,6 +72,16 @@ def allow_long_max_model_len() -> bool:
     return os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").strip().lower() in ("1", "true")
 
 
+_EXPORTED: list = []
+"""Every :class:`ExportedVariable` of the package (:func:`forget_exports`)."""
+
+
+def forget_exports() -> None:
+    """Forget every export without touching the environment (tests that restore it)."""
+    for var in _EXPORTED:
+        var.forget()
+
+
 class ExportedVariable:
     """A vLLM environment variable the executor exports for the workers it is about to spawn (they
     inherit it), told apart from the user's own value: a value this process exported is never taken
@@ -83,6 +93,7 @@ class ExportedVariable:
         self.name = name
         self.exported: str | None = None
         """The value this process last exported, or None."""
+        _EXPORTED.append(self)
 
     def users_text(self) -> str | None:
         """The user's own value, or None (unset, blank, or this process's export)."""
@@ -128,6 +139,62 @@ def flashinfer_workspace_bytes() -> int | None:
         return int(text) if text is not None else None
     except ValueError:
         return None
+
+
+ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+"""torch's allocator settings, in the order its allocator reads them (the first one set wins)."""
+ALLOCATOR = ExportedVariable("PYTORCH_CUDA_ALLOC_CONF")
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+
+
+@dataclass(frozen=True)
+class AllocatorChoice:
+    """Whether a dualgpu run's workers get torch's expandable segments, and why (one clause)."""
+
+    expandable: bool
+    why: str
+
+    def line(self) -> str:
+        if self.expandable:
+            return f"the workers run with PYTORCH_CUDA_ALLOC_CONF={EXPANDABLE_SEGMENTS}: {self.why}"
+        return f"the workers keep torch's allocator as configured: {self.why}"
+
+
+def users_allocator_conf() -> tuple[str, str] | None:
+    """The user's own allocator settings as (variable, value), or None (unset, or this process's
+    export)."""
+    for name in ALLOC_CONF_VARS:
+        text = ALLOCATOR.users_text() if name == ALLOCATOR.name else os.environ.get(name)
+        if text and text.strip():
+            return name, text
+    return None
+
+
+def allocator_choice(*, tp_size: int = 1, custom_all_reduce: bool = True, sleep_mode: bool = False,
+                     kv_transfer: bool = False) -> AllocatorChoice:
+    """Expandable segments for the workers unless the user configured torch's allocator or the run
+    needs fixed segments. Without them a pass whose tensors have other sizes than the last one's
+    (a 4 MP image after a 250K prompt) cannot reuse the blocks torch keeps cached and takes new
+    ones: measured 632 MiB more reserved for 256 MiB more allocated on the small card of the
+    virtual pair (docs/benchmarks.md, thirteenth run). The reference launchers set it too.
+    ``plan`` and the executor both ask this."""
+    user = users_allocator_conf()
+    if user is not None:
+        return AllocatorChoice(False, f"{user[0]}={user[1]} is the user's")
+    if tp_size > 1 and custom_all_reduce:
+        return AllocatorChoice(False, "vLLM's custom all-reduce shares CUDA graph buffers through CUDA "
+                                      "IPC, which expandable segments do not support (vLLM issue #42609)")
+    if sleep_mode:
+        return AllocatorChoice(False, "sleep mode allocates through vLLM's own memory pool")
+    if kv_transfer:
+        return AllocatorChoice(False, "vLLM refuses a KV connector with expandable segments")
+    return AllocatorChoice(True, "torch's allocator reuses freed memory across passes of other sizes "
+                                 "(a PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF of your own is kept)")
+
+
+def export_allocator(choice: AllocatorChoice) -> None:
+    """Export (or take back) the executor's allocator setting for the workers it spawns."""
+    ALLOCATOR.export(EXPANDABLE_SEGMENTS if choice.expandable else None)
 
 
 def parse_size(text: str, *, what: str = "size") -> int:

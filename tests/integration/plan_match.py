@@ -11,7 +11,8 @@ from pathlib import Path
 
 # what a plan reads from the environment, cleared for each test
 PLAN_VARIABLES = ("VLLM_PP_LAYER_PARTITION", "VLLM_DUALGPU_RESERVE", "CUDA_VISIBLE_DEVICES",
-                  "VLLM_DUALGPU_PLAN_FILE", "VLLM_DUALGPU_OBJECTIVE", "VLLM_DUALGPU_VIRTUAL_GPUS")
+                  "VLLM_DUALGPU_PLAN_FILE", "VLLM_DUALGPU_OBJECTIVE", "VLLM_DUALGPU_VIRTUAL_GPUS",
+                  "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 
 class Lines(logging.Handler):
@@ -26,7 +27,7 @@ class Lines(logging.Handler):
 def sandbox(tmp_path: Path, monkeypatch, config: dict, sub: str = ""):
     """A fixture's body: the model folder (``tmp_path/sub`` with ``config`` as its config.json),
     then the environment as it was and the executor's exported split forgotten."""
-    from vllm_dualgpu.engine import partition
+    from vllm_dualgpu import envs
 
     for var in PLAN_VARIABLES:
         monkeypatch.delenv(var, raising=False)
@@ -37,7 +38,7 @@ def sandbox(tmp_path: Path, monkeypatch, config: dict, sub: str = ""):
     yield folder
     os.environ.clear()
     os.environ.update(saved)
-    partition.PARTITION.forget()
+    envs.forget_exports()
 
 
 def forget_the_split() -> None:

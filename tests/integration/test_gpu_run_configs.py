@@ -328,7 +328,8 @@ def test_dflash_plan_on_the_virtual_pair(engine_config, dflash_dirs, monkeypatch
     from plan_match import Lines
 
     from vllm_dualgpu import plugin
-    from vllm_dualgpu.engine import kv_pricing, partition
+    from vllm_dualgpu import envs
+    from vllm_dualgpu.engine import kv_pricing
     from vllm_dualgpu.engine import planning as apply
     from vllm_dualgpu.nvml import VisibleGpu
     from vllm_dualgpu.patches.kv_cache_utils import kv_cache_configs
@@ -357,7 +358,7 @@ def test_dflash_plan_on_the_virtual_pair(engine_config, dflash_dirs, monkeypatch
         log.setLevel(level)
         os.environ.clear()
         os.environ.update(saved)
-        partition.PARTITION.forget()
+        envs.forget_exports()
     plan = applied.plan
     assert plan.partition == gm.DFLASH_SPLIT and cfg.parallel_config.assigned_physical_gpu_ids == [0, 0]
     assert [g.capability for g in applied.gpus] == [(8, 9), (9, 0)]  # the drafter's rank presents SM 9.0

@@ -165,6 +165,31 @@ def test_attention_config_without_xqa(dense_config):
     assert cli_request(d, argv)[1].xqa is True and executor_request(make(argv))[1].xqa is True
 
 
+@pytest.mark.parametrize("flags,extra,expandable", [
+    ([], {}, True),
+    (["-tp", "2"], {"tensor_parallel_size": 2}, False),  # vLLM's custom all-reduce: CUDA IPC
+    (["-tp", "2", "--disable-custom-all-reduce"], {"tensor_parallel_size": 2, "disable_custom_all_reduce": True},
+     True),
+])
+def test_the_allocator_for_the_workers_is_the_same_answer(dense_config, monkeypatch, flags, extra, expandable):
+    """`plan` says what torch allocator the executor gives its workers; both ask
+    envs.allocator_choice, `plan` from its flags and the executor from vLLM's config."""
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(var, raising=False)
+    d, make = dense_config
+    argv = ["--max-model-len", "32768"]
+    gpus = GPUS if not extra else f"{GPUS},{GPUS}"  # TP 2 x PP 2: four cards
+    cli = cli_plan.ask([str(d), "--gpus", gpus, "-pp", "2", *argv, *flags, *CPU_PLATFORM]).allocator
+    cfg = make(argv, **extra)
+    # ParallelConfig turns custom all-reduce off where the platform has none (the CPU); CUDA keeps the flag
+    cfg.parallel_config.disable_custom_all_reduce = extra.get("disable_custom_all_reduce", False)
+    executor = planning.allocator_choice(cfg)
+    assert cli == executor and cli.expandable is expandable
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:512")
+    cli = cli_plan.ask([str(d), "--gpus", gpus, "-pp", "2", *argv, *flags, *CPU_PLATFORM]).allocator
+    assert cli == planning.allocator_choice(cfg) and not cli.expandable
+
+
 def test_eagle3_command(dense_config, tmp_path_factory):
     d, make = dense_config
     draft = tmp_path_factory.mktemp("eagle3")

@@ -52,3 +52,18 @@ def test_usage_errors_say_what_is_missing(tmp_path):
     r = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "b.tgz"), str(tmp_path / "w"), "true"],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "expected -- before the command" in r.stderr
+
+
+def test_cache_parts_come_back_beside_the_bundle(tmp_path):
+    """A call returns files of at most 16 MiB: the caches' parts (caches.sh save, 15 MiB each) are
+    not packed into the bundle but copied beside it, one file each."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    (work / "cache").mkdir(parents=True)
+    for n in ("00", "01"):
+        (work / "cache" / f"caches.tar.gz.{n}").write_bytes(n.encode() * 1000)
+    (work / "arm.json").write_text("{}")
+    r = subprocess.run(["bash", str(SCRIPT), str(out / "r3.tgz"), str(work), "--", "true"])
+    assert r.returncode == 0
+    assert sorted(x.name for x in out.iterdir()) == ["caches.tar.gz.00", "caches.tar.gz.01", "r3.tgz"]
+    assert (out / "caches.tar.gz.01").read_bytes() == b"01" * 1000
+    assert names(out / "r3.tgz") == {"arm.json", "cache"}

@@ -16,6 +16,7 @@ import re
 import shlex
 import sys
 
+from vllm_dualgpu import envs
 from vllm_dualgpu.cli.inputs import REFERENCE_PLACEHOLDER
 from vllm_dualgpu.cli.inputs import UsageError as _Fail
 from vllm_dualgpu.cli.inputs import read_config as _read_config
@@ -38,9 +39,11 @@ Exit status: 0 planned, 1 cannot be planned as asked (the message says what fits
 # `vllm serve` flags that do not change the plan: plan takes them and repeats them in its serve line.
 KEPT_VALUE_FLAGS = ("--port", "--host", "--api-key", "--chat-template", "--tool-call-parser",
                     "--reasoning-parser", "--limit-mm-per-prompt", "--mm-processor-kwargs", "--tokenizer",
-                    "--revision", "--download-dir", "--generation-config", "--override-generation-config")
+                    "--revision", "--download-dir", "--generation-config", "--override-generation-config",
+                    "--kv-transfer-config")
 KEPT_SWITCHES = ("--trust-remote-code", "--enable-auto-tool-choice", "--enable-chunked-prefill",
-                 "--no-enable-flashinfer-autotune", "--async-scheduling")
+                 "--no-enable-flashinfer-autotune", "--async-scheduling", "--disable-custom-all-reduce",
+                 "--enable-sleep-mode")
 
 
 def _human_int(value: str) -> int:
@@ -505,6 +508,7 @@ class Question:
     model_arg: str  # MODEL as the serve line writes it
     stages: object  # cli TP stages, or None
     profile: object  # machine_profile.Applied
+    allocator: object = None  # envs.AllocatorChoice: what the executor sets for its workers
 
 
 def question(args) -> Question:
@@ -535,7 +539,10 @@ def question(args) -> Question:
     if stages is not None:
         model, gpus, req = stages.model, list(stages.cards), stages.request
         notes += list(stages.notes)
-    return Question(model, gpus, req, notes, source, model_arg, stages, profile)
+    allocator = envs.allocator_choice(
+        tp_size=args.tensor_parallel_size, custom_all_reduce=not args.disable_custom_all_reduce,
+        sleep_mode=args.enable_sleep_mode, kv_transfer=args.kv_transfer_config is not None)
+    return Question(model, gpus, req, notes, source, model_arg, stages, profile, allocator)
 
 
 def ask(argv: list[str]) -> Question:
@@ -581,6 +588,8 @@ def run(args) -> int:
                 print(line, file=sys.stderr)
         return 1
     p = f.plan
+    if not p.passthrough:  # the executor's setting for its workers (engine/planning.allocator_for_workers)
+        notes = [*notes, q.allocator.line()]
 
     stock = None
     if not p.passthrough and stages is None:  # stock vLLM's TP x PP takes cards in CUDA order

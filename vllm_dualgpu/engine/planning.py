@@ -6,6 +6,8 @@ Runs in the EngineCore process (no CUDA context there). What it changes:
 - ``VLLM_PP_LAYER_PARTITION`` (unless the user set it): the layer split, vLLM's interface for it;
 - ``VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE`` (unless the user set it, and where a rank runs
   FlashInfer): the plan's workspace size (envs.export_flashinfer_workspace);
+- ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (unless the user configured torch's
+  allocator, or the run needs fixed segments: envs.allocator_choice) for the workers;
 - ``additional_config["dualgpu"]["plan"]``: each rank's reserve, cap and predicted costs, read
   once by each worker (:mod:`vllm_dualgpu.engine.handoff`);
 - ``parallel_config.worker_cls``: :class:`vllm_dualgpu.engine.worker.DualGpuWorker`, which gives each
@@ -168,6 +170,7 @@ def apply_plan(vllm_config) -> AppliedPlan:
     record = _handoff(result, ranked, user_partition, stages, cards, why)
     hand_over(vllm_config, record, off="per-rank memory budgets and summary lines",
               kept="the GPU order and layer split", workspace_bytes=result.flashinfer_workspace_bytes)
+    allocator_for_workers(vllm_config)
     for line in _overrides(vllm_config, user_partition):
         logger.info(line)
     logger.info(
@@ -218,6 +221,25 @@ def hand_over(vllm_config, record: handoff.Handoff, off: str, kept: str, workspa
     else:
         logger.warning("worker_cls=%s is not vLLM's GPU worker: %s are off; %s still apply",
                        pc.worker_cls, off, kept)
+
+
+def allocator_choice(vllm_config) -> envs.AllocatorChoice:
+    """``envs.allocator_choice`` for this run's config (``plan`` asks it from its flags)."""
+    pc = vllm_config.parallel_config
+    mc = getattr(vllm_config, "model_config", None)
+    return envs.allocator_choice(
+        tp_size=pc.tensor_parallel_size, custom_all_reduce=not pc.disable_custom_all_reduce,
+        sleep_mode=bool(getattr(mc, "enable_sleep_mode", False)),
+        kv_transfer=getattr(vllm_config, "kv_transfer_config", None) is not None)
+
+
+def allocator_for_workers(vllm_config) -> envs.AllocatorChoice:
+    """Export torch's allocator setting for the workers the multiprocess executor spawns (they
+    inherit it; torch reads it at a worker's first CUDA allocation) and say so."""
+    choice = allocator_choice(vllm_config)
+    envs.export_allocator(choice)
+    logger.info("vllm-dualgpu: %s", choice.line())
+    return choice
 
 
 def kept_free_line(record: handoff.Handoff) -> str:

@@ -226,6 +226,28 @@ def probe_cute_dsl_arch(item: Intervention) -> tuple[str, str]:
     return HOLDS, ""
 
 
+TORCH_ALLOCATOR_LIBRARIES = ("libc10_cuda.so", "libc10.so")
+TORCH_ALLOCATOR_NAMES = (b"PYTORCH_CUDA_ALLOC_CONF", b"expandable_segments")
+
+
+def probe_torch_allocator(item: Intervention) -> tuple[str, str]:
+    """torch's CUDA allocator reads ``item.target`` and knows ``expandable_segments``: its
+    libraries (read from the files, not loaded) name both. Not here without a CUDA torch."""
+    root = _package_dir("torch")
+    libs = [os.path.join(root, "lib", n) for n in TORCH_ALLOCATOR_LIBRARIES] if root else []
+    libs = [p for p in libs if os.path.isfile(p)]
+    if not any(os.path.basename(p) == "libc10_cuda.so" for p in libs):
+        return NOT_HERE, "not applicable: this torch has no CUDA allocator (libc10_cuda.so)"
+    seen = set()
+    for path in libs:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            seen.update(n for n in TORCH_ALLOCATOR_NAMES if m.find(n) >= 0)
+    absent = [n.decode() for n in TORCH_ALLOCATOR_NAMES if n not in seen]
+    if absent:
+        return MISSING, f"torch's allocator libraries no longer name {', '.join(absent)}"
+    return HOLDS, ""
+
+
 def probe_in_file(item: Intervention) -> tuple[str, str]:
     """``item.checks`` read from its module's file instead of imported, for a vLLM module that
     does not import on every machine (vLLM's FlashInfer backend asserts CUDA at import, so on a
@@ -364,6 +386,27 @@ INTERVENTIONS: tuple[Intervention, ...] = (
         probe="vllm_dualgpu.patching.interventions:probe_in_file",  # the module asserts CUDA at import
         issue="#28",
         upstream_draft="none: vLLM PR #40383 is the upstream change",
+    ),
+    Intervention(
+        name="expandable-segments",
+        kind=ENVIRONMENT,
+        target="PYTORCH_CUDA_ALLOC_CONF",
+        processes=(ENGINE,),
+        vllm_versions=CHECKED,
+        why=(
+            "Unless the user configured torch's allocator (PYTORCH_CUDA_ALLOC_CONF or "
+            "PYTORCH_ALLOC_CONF) or the run needs fixed segments (tensor parallelism with vLLM's "
+            "custom all-reduce, sleep mode, a KV connector), the multiprocess executor runs its "
+            "workers with expandable_segments:True, as the reference launchers do: without it a "
+            "pass of other tensor sizes than the last (a 4 MP image after a 250K prompt) took 632 "
+            "MiB of new segments for 256 MiB more allocated on the virtual pair's small card and "
+            "ran it into its reserve (envs.allocator_choice; `plan` says the same)."
+        ),
+        upstream="none (torch's setting; vLLM leaves it to the user)",
+        remove_when="vLLM chooses torch's allocator settings itself",
+        probe="vllm_dualgpu.patching.interventions:probe_torch_allocator",
+        issue="#28",
+        upstream_draft="none: a torch setting the user may also set; nothing in vLLM to change",
     ),
     # --- config ---
     Intervention(

@@ -11,10 +11,10 @@ import pytest
 def restore_environ():
     """apply_plan exports variables for the workers it is about to spawn (the split, the GPU
     order, Ray's bundle indices); undo that, and forget the exported split."""
-    from vllm_dualgpu.engine import partition
+    from vllm_dualgpu import envs
 
     saved = dict(os.environ)
     yield
     os.environ.clear()
     os.environ.update(saved)
-    partition.PARTITION.forget()
+    envs.forget_exports()

@@ -357,3 +357,31 @@ def test_the_executor_sets_flashinfers_workspace_where_the_user_did_not(make_con
     assert apply.apply_plan(user_cfg).plan.flashinfer_workspace_bytes == 0
     assert os.environ["VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE"] == str(200 * 2**20)
     assert [r.after_profile_bytes for r in handoff.load(user_cfg).ranks] == [200 * 2**20, 400 * 2**20]
+
+
+def test_the_executor_runs_its_workers_with_expandable_segments(make_config, lines, monkeypatch):
+    """Zero flags: the workers inherit PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, said in
+    one line; a user's own allocator setting is kept; sleep mode (vLLM's own pool) takes the
+    export back; a second plan in the process does not take the export for the user's."""
+    import os
+
+    gpus = [VisibleGpu(0, "NVIDIA GeForce RTX 4070 Ti SUPER", 16 * GiB, 16 * GiB, (8, 9), 672.0, "GPU-a"),
+            VisibleGpu(1, "NVIDIA GeForce RTX 5090", 32 * GiB, 32 * GiB, (12, 0), 1792.0, "GPU-b")]
+    monkeypatch.setattr(apply, "read_visible_gpus", lambda: gpus)
+    for var in ("VLLM_PP_LAYER_PARTITION", envs.RESERVE, "CUDA_VISIBLE_DEVICES", envs.PLAN_FILE, envs.OBJECTIVE,
+                "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(var, raising=False)
+    apply.apply_plan(make_config())
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    lines = [m for m in lines.messages if "PYTORCH_CUDA_ALLOC_CONF" in m]
+    assert len(lines) == 1 and lines[0].startswith(
+        "vllm-dualgpu: the workers run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: "), lines
+    apply.apply_plan(make_config())
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    asleep = make_config()
+    asleep.model_config.enable_sleep_mode = True  # vLLM's CPU platform refuses the flag itself
+    apply.apply_plan(asleep)
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:512")
+    apply.apply_plan(make_config())
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ and os.environ["PYTORCH_ALLOC_CONF"] == "max_split_size_mb:512"

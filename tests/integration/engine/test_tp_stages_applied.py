@@ -61,7 +61,6 @@ def make_config(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def clean_environ(monkeypatch):
-    from vllm_dualgpu.engine import partition
 
     saved = dict(os.environ)
     for var in ("VLLM_PP_LAYER_PARTITION", envs.RESERVE, "CUDA_VISIBLE_DEVICES", envs.PLAN_FILE):
@@ -69,7 +68,7 @@ def clean_environ(monkeypatch):
     yield
     os.environ.clear()
     os.environ.update(saved)
-    partition.PARTITION.forget()
+    envs.forget_exports()
 
 
 def visible(monkeypatch, gpus):
