@@ -192,6 +192,15 @@ def allocator_choice(*, tp_size: int = 1, custom_all_reduce: bool = True, sleep_
                                  "(a PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF of your own is kept)")
 
 
+def allocator_in_effect() -> str:
+    """What torch's allocator in this process was started with, for a rank's summary line."""
+    for name in ALLOC_CONF_VARS:
+        text = os.environ.get(name)
+        if text and text.strip():
+            return f"{name}={text}"
+    return "torch's default (no PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF)"
+
+
 def export_allocator(choice: AllocatorChoice) -> None:
     """Export (or take back) the executor's allocator setting for the workers it spawns."""
     ALLOCATOR.export(EXPANDABLE_SEGMENTS if choice.expandable else None)

@@ -427,6 +427,7 @@ class DualGpuWorker(Worker):
             cap = virtual_card.hold_to_card(self.device)
             rank_summary.note("held to", f"{_gib(cap)} for torch (the card's free memory less "
                                          "what the process holds outside torch)")
+        rank_summary.note("allocator", envs.allocator_in_effect())
         free, total = torch.cuda.mem_get_info(self.device)
         kv = self.cache_config.num_gpu_blocks
         pp_rank, pp_size = self._pp_position()

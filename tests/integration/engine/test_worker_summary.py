@@ -39,7 +39,9 @@ def fake_rank(monkeypatch):
     rank_summary.clear()
 
 
-def test_summary_line_has_every_field(fake_rank, caplog):
+def test_summary_line_has_every_field(fake_rank, caplog, monkeypatch):
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # the executor's, inherited
     caplog.set_level(logging.INFO, logger="vllm.dualgpu")
     logging.getLogger("vllm.dualgpu").propagate = True
     rank_summary.note("GPU", "NVIDIA H200 (cuda:1)")
@@ -48,12 +50,23 @@ def test_summary_line_has_every_field(fake_rank, caplog):
     assert len(lines) == 1
     line = lines[0]
     assert line.startswith("vllm-dualgpu rank 1/2: GPU: NVIDIA H200 (cuda:1)")
+    assert "allocator: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; " in line
     assert "layers: 29 of 11/29" in line
     assert "weights: 10.52 GiB" in line
     assert "9261 blocks x 16 tokens" in line
     # 9,261 x 16 = 148,176 tokens of pool, capped at --max-model-len for one request.
     assert "max context: 32,768 tokens (pool 148,176)" in line
     assert line.endswith("free after: 1.50 GiB")
+
+
+def test_summary_says_torchs_default_allocator(fake_rank, caplog, monkeypatch):
+    for var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.delenv(var, raising=False)
+    caplog.set_level(logging.INFO, logger="vllm.dualgpu")
+    logging.getLogger("vllm.dualgpu").propagate = True
+    fake_rank._log_summary()
+    line = next(r.getMessage() for r in caplog.records if "vllm-dualgpu rank" in r.getMessage())
+    assert "allocator: torch's default (no PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF)" in line
 
 
 def test_kv_bytes_count_the_one_backing_allocation_once():
