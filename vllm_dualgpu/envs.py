@@ -84,10 +84,10 @@ def forget_exports() -> None:
 
 class ExportedVariable:
     """An environment variable (vLLM's or torch's) the executor exports for the workers it is about
-    to spawn (they inherit it), told apart from the user's own value: a value this process exported is never taken
-    back as the user's (with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` a second ``LLM(...)`` runs in the
-    same process, sees the first run's export, and must plan afresh), and the user's own value is
-    never overwritten."""
+    to spawn (they inherit it), told apart from the user's own value: a value this process
+    exported is never taken back as the user's (with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` a second
+    ``LLM(...)`` runs in the same process, sees the first run's export, and must plan afresh), and
+    the user's own value is never overwritten."""
 
     def __init__(self, name: str):
         self.name = name
