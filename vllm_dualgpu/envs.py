@@ -160,14 +160,20 @@ class AllocatorChoice:
         return f"the workers keep torch's allocator as configured: {self.why}"
 
 
-def users_allocator_conf() -> tuple[str, str] | None:
-    """The user's own allocator settings as (variable, value), or None (unset, or this process's
-    export)."""
+def _allocator_setting(*, users_only: bool) -> tuple[str, str] | None:
+    """The first of torch's allocator variables set, as (variable, value); ``users_only``: not
+    this process's own export."""
     for name in ALLOC_CONF_VARS:
-        text = ALLOCATOR.users_text() if name == ALLOCATOR.name else os.environ.get(name)
+        text = ALLOCATOR.users_text() if users_only and name == ALLOCATOR.name else os.environ.get(name)
         if text and text.strip():
             return name, text
     return None
+
+
+def users_allocator_conf() -> tuple[str, str] | None:
+    """The user's own allocator settings as (variable, value), or None (unset, or this process's
+    export)."""
+    return _allocator_setting(users_only=True)
 
 
 def allocator_choice(*, tp_size: int = 1, custom_all_reduce: bool = True, sleep_mode: bool = False,
@@ -194,11 +200,8 @@ def allocator_choice(*, tp_size: int = 1, custom_all_reduce: bool = True, sleep_
 
 def allocator_in_effect() -> str:
     """What torch's allocator in this process was started with, for a rank's summary line."""
-    for name in ALLOC_CONF_VARS:
-        text = os.environ.get(name)
-        if text and text.strip():
-            return f"{name}={text}"
-    return "torch's default (no PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF)"
+    setting = _allocator_setting(users_only=False)
+    return "=".join(setting) if setting else "torch's default (no PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF)"
 
 
 def export_allocator(choice: AllocatorChoice) -> None:

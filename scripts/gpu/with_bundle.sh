@@ -23,7 +23,7 @@ mkdir -p "$dir" "$(dirname "$bundle")"
 tmp="$(dirname "$bundle")/.$(basename "$bundle").part"
 
 pack() {
-  find "$dir" -type f -name 'caches.tar.*.[0-9][0-9]' -exec cp -f {} "$(dirname "$bundle")/" \; 2>/dev/null
+  find "$dir" -type f -name 'caches.tar.*.[0-9][0-9]' -exec cp -fu {} "$(dirname "$bundle")/" \; 2>/dev/null
   tar czf "$tmp" -C "$dir" --exclude='caches.tar.*.[0-9][0-9]' . 2>/dev/null && mv -f "$tmp" "$bundle"
 }
 
